@@ -1,0 +1,316 @@
+"""Actuators: the only code that changes training.
+
+Each actuator owns one knob (clip threshold, LR multipliers, Adam hyperparameters, ...), keeps
+its own state and has ``state_dict()/load_state_dict()``. The policy decides, actuators act.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .config import AdamConfig, ClipConfig, LRConfig
+from .measure import LayerMap
+
+__all__ = ["unwrap_optimizer", "drop_grads", "ClipController", "LRMultiplier", "AdamTuner"]
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under engine wrappers (accelerate's AcceleratedOptimizer, Lightning's
+    LightningOptimizer...)."""
+    seen = 0
+    opt = optimizer
+    while not isinstance(opt, torch.optim.Optimizer) and seen < 8:
+        inner = getattr(opt, "optimizer", None) or getattr(opt, "_optimizer", None)
+        if inner is None:
+            break
+        opt = inner
+        seen += 1
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"gradguard: optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer "
+                        "(nor wraps one). Fix: pass the torch optimizer the training loop steps")
+    return opt
+
+
+@torch.no_grad()
+def drop_grads(params: list[torch.nn.Parameter]) -> None:
+    """Make the coming optimizer step a no-op for these parameters: torch optimizers skip
+    parameters whose ``.grad`` is None, so no value reaches weights or state and Adam's step
+    count does not advance."""
+    for p in params:
+        p.grad = None
+
+
+class ClipController:
+    """max_grad_norm owned by gradguard: fixed, tightened/relaxed by the policy, or adaptive (ZClip)."""
+
+    def __init__(self, cfg: ClipConfig) -> None:
+        self.cfg = cfg
+        self.max_norm = cfg.max_norm
+        self.healthy = 0
+        # adaptive (ZClip) state
+        self.mean: float | None = None
+        self.var = 0.0
+        self.count = 0
+        self.clipped = 0
+
+    def threshold(self, total_norm: float) -> float | None:
+        """The norm this step is clipped to, or None for no clipping."""
+        if self.cfg.mode == "off":
+            return None
+        if self.cfg.mode == "fixed":
+            return self.max_norm
+        # adaptive: z-score over an EMA of the norm; the fixed max_norm stays a hard ceiling
+        if self.mean is None or self.count < self.cfg.adaptive_warmup:
+            return self.max_norm
+        std = math.sqrt(max(self.var, 0.0))
+        z = (total_norm - self.mean) / (std + 1e-12)
+        if z > self.cfg.adaptive_z:
+            return min(self.max_norm, self.mean + self.cfg.adaptive_z * std)
+        return self.max_norm
+
+    def observe(self, total_norm: float, clipped_to: float | None) -> None:
+        """Feed the (pre-clip) norm into the adaptive statistics; spikes enter clipped."""
+        if not math.isfinite(total_norm) or self.cfg.mode != "adaptive":
+            return
+        x = total_norm if clipped_to is None else min(total_norm, clipped_to)
+        self.count += 1
+        if self.mean is None:
+            self.mean, self.var = x, 0.0
+            return
+        a = 1 - self.cfg.adaptive_alpha
+        if self.count <= self.cfg.adaptive_warmup:
+            a = max(a, 1.0 / self.count)
+        diff = x - self.mean
+        self.mean += a * diff
+        self.var = (1 - a) * (self.var + a * diff * diff)
+
+    @torch.no_grad()
+    def apply(self, grads: list[torch.Tensor], total_norm: float, max_norm: float | None) -> bool:
+        """Scale gradients in place so their norm is at most max_norm. Returns True if clipped."""
+        if max_norm is None or not math.isfinite(total_norm) or total_norm <= max_norm or not grads:
+            return False
+        coef = max_norm / (total_norm + 1e-6)
+        torch._foreach_mul_(grads, coef)
+        self.clipped += 1
+        return True
+
+    def tighten(self) -> tuple[float, float]:
+        old = self.max_norm
+        self.max_norm = max(self.cfg.floor, self.max_norm * self.cfg.tighten_factor)
+        self.healthy = 0
+        return old, self.max_norm
+
+    def tick_healthy(self) -> tuple[float, float] | None:
+        """One healthy step; returns (old, new) when max_norm relaxes."""
+        if self.max_norm >= self.cfg.max_norm:
+            return None
+        self.healthy += 1
+        if self.healthy < self.cfg.relax_after:
+            return None
+        self.healthy = 0
+        old = self.max_norm
+        self.max_norm = min(self.cfg.max_norm, self.max_norm / self.cfg.tighten_factor)
+        return old, self.max_norm
+
+    def reset_healthy(self) -> None:
+        self.healthy = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"max_norm": self.max_norm, "healthy": self.healthy, "mean": self.mean, "var": self.var,
+                "count": self.count, "clipped": self.clipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+class LRMultiplier:
+    """An LR multiplier applied around every optimizer step, whatever scheduler sets ``lr``.
+
+    A step pre-hook multiplies each group's ``lr`` and a post-hook puts the scheduler's value back,
+    so LambdaLR/OneCycleLR/CyclicLR/SequentialLR/ReduceLROnPlateau all keep their own course and
+    the multiplier is never baked into them. Layer multipliers scale the update of the targeted
+    layers only (exact for any optimizer whose update is proportional to lr, e.g. SGD, Adam(W)):
+    those parameters are copied before the step and blended after it.
+    """
+
+    def __init__(self, cfg: LRConfig, optimizer: torch.optim.Optimizer, layers: LayerMap) -> None:
+        self.cfg = cfg
+        self.optimizer = optimizer
+        self.layers = layers
+        self.global_mult = 1.0
+        self.global_ceiling = 1.0
+        self.layer_mult: dict[str, float] = {}
+        self.layer_ceiling: dict[str, float] = {}
+        self.healthy = 0
+        self.ceiling_healthy = 0
+        self.warm_left = 0
+        self._saved_lrs: list[Any] | None = None
+        self._saved_params: tuple[list[torch.Tensor], list[torch.Tensor], list[float]] | None = None
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre_hook),
+            optimizer.register_step_post_hook(self._post_hook),
+        ]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- hooks -----------------------------------------------------------------------------
+    def current(self) -> float:
+        """The global multiplier in force for the next step (re-warm-up ramp included)."""
+        if self.warm_left > 0:
+            total = self.cfg.rewarm_steps
+            return self.global_mult * (total - self.warm_left + 1) / (total + 1)
+        return self.global_mult
+
+    def rewarm(self) -> None:
+        """Ramp the LR up again from a small fraction over ``rewarm_steps`` (after a rollback)."""
+        self.warm_left = self.cfg.rewarm_steps
+
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        mult = self.current()
+        if mult != 1.0:
+            self._saved_lrs = [g["lr"] for g in optimizer.param_groups]
+            for g in optimizer.param_groups:
+                g["lr"] = g["lr"] * mult
+        active = {k: m for k, m in self.layer_mult.items() if m != 1.0}
+        if active:
+            params, copies, weights = [], [], []
+            for name, m in active.items():
+                for p in self.layers.params_of([name]):
+                    if p.grad is not None:
+                        params.append(p)
+                        copies.append(p.detach().clone())
+                        weights.append(1.0 - m)
+            self._saved_params = (params, copies, weights)
+
+    @torch.no_grad()
+    def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.warm_left > 0:
+            self.warm_left -= 1
+        if self._saved_lrs is not None:
+            for g, lr in zip(optimizer.param_groups, self._saved_lrs):
+                g["lr"] = lr
+            self._saved_lrs = None
+        if self._saved_params is not None:
+            params, copies, weights = self._saved_params
+            for p, c, w in zip(params, copies, weights):
+                p.lerp_(c, w)  # p_new + (1-m)(p_old - p_new) = p_old + m * update
+            self._saved_params = None
+
+    def reapply_after_restore(self) -> None:
+        """Drop any half-applied step state after a rollback restored the optimizer."""
+        self._saved_lrs = None
+        self._saved_params = None
+
+    # -- policy moves ----------------------------------------------------------------------
+    def effective_lrs(self) -> list[float]:
+        return [float(g["lr"]) * self.current() for g in self.optimizer.param_groups]
+
+    def lower(self, failed_at: float | None = None, factor: float | None = None) -> tuple[float, float]:
+        """Multiply the global multiplier by ``factor`` (default down_factor), starting from the
+        multiplier that failed (``failed_at``, default the one in force: during a re-warm-up ramp
+        that is the ramp's value). The failed level caps later recovery."""
+        old = self.current() if failed_at is None else failed_at
+        self.global_ceiling = min(self.global_ceiling, old * self.cfg.recover_ceiling)
+        self.global_mult = max(self.cfg.min_multiplier, old * (factor or self.cfg.down_factor))
+        self.healthy = 0
+        return old, self.global_mult
+
+    def lower_layers(self, names: list[str]) -> dict[str, float]:
+        out = {}
+        for n in names:
+            old = self.layer_mult.get(n, 1.0)
+            self.layer_ceiling[n] = min(self.layer_ceiling.get(n, 1.0), old * self.cfg.recover_ceiling)
+            new = max(self.cfg.min_multiplier, old * self.cfg.layer_factor)
+            self.layer_mult[n] = new
+            out[n] = new
+        self.healthy = 0
+        return out
+
+    def mark_unstable(self, failed_at: float | None = None) -> None:
+        """An instability happened at ``failed_at`` (default: the multiplier in force): recovery
+        stays below it."""
+        level = self.current() if failed_at is None else failed_at
+        self.global_ceiling = min(self.global_ceiling, level * self.cfg.recover_ceiling)
+        self.healthy = 0
+        self.ceiling_healthy = 0
+
+    def tick_healthy(self) -> dict[str, float] | None:
+        """One healthy step; every recover_after of them, lowered multipliers move towards their
+        ceiling, and every 4 x recover_after the ceilings themselves rise towards 1 (a fault that
+        has passed, such as an LR glitch, does not cap the LR forever). Returns the new
+        multipliers when something moved."""
+        if self.global_ceiling < 1.0 or any(c < 1.0 for c in self.layer_ceiling.values()):
+            self.ceiling_healthy += 1
+            if self.ceiling_healthy >= 4 * self.cfg.recover_after:
+                self.ceiling_healthy = 0
+                f = self.cfg.recover_factor
+                self.global_ceiling = min(1.0, self.global_ceiling * f)
+                self.layer_ceiling = {k: min(1.0, c * f) for k, c in self.layer_ceiling.items()}
+        lowered = self.global_mult < self.global_ceiling or any(
+            m < self.layer_ceiling.get(k, 1.0) for k, m in self.layer_mult.items())
+        if not lowered:
+            return None
+        self.healthy += 1
+        if self.healthy < self.cfg.recover_after:
+            return None
+        self.healthy = 0
+        f = self.cfg.recover_factor
+        self.global_mult = min(self.global_ceiling, self.global_mult * f)
+        for k, m in list(self.layer_mult.items()):
+            self.layer_mult[k] = min(self.layer_ceiling.get(k, 1.0), m * f)
+        return {"global": self.global_mult, **self.layer_mult}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_mult": self.global_mult, "global_ceiling": self.global_ceiling,
+                "layer_mult": dict(self.layer_mult), "layer_ceiling": dict(self.layer_ceiling),
+                "healthy": self.healthy, "ceiling_healthy": self.ceiling_healthy, "warm_left": self.warm_left}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ceiling_healthy = state["ceiling_healthy"]
+        self.warm_left = state["warm_left"]
+        self.global_mult = state["global_mult"]
+        self.global_ceiling = state["global_ceiling"]
+        self.layer_mult = dict(state["layer_mult"])
+        self.layer_ceiling = dict(state["layer_ceiling"])
+        self.healthy = state["healthy"]
+
+
+class AdamTuner:
+    """Changes Adam's beta2/eps live in every param group that has them (Adam state is kept)."""
+
+    def __init__(self, cfg: AdamConfig, optimizer: torch.optim.Optimizer) -> None:
+        self.cfg = cfg
+        self.optimizer = optimizer
+        self.applied = False
+
+    def supported(self) -> bool:
+        return any("betas" in g and "eps" in g for g in self.optimizer.param_groups)
+
+    def apply(self) -> dict[str, Any]:
+        changes = {}
+        for i, g in enumerate(self.optimizer.param_groups):
+            if "betas" not in g:
+                continue
+            b1, b2 = g["betas"]
+            new_b2 = min(float(b2), self.cfg.beta2)
+            new_eps = max(float(g.get("eps", 0.0)), self.cfg.eps)
+            if new_b2 != b2 or new_eps != g.get("eps"):
+                changes[f"group{i}"] = {"beta2": [float(b2), new_b2], "eps": [float(g.get("eps", 0.0)), new_eps]}
+            g["betas"] = (b1, new_b2)
+            if "eps" in g:
+                g["eps"] = new_eps
+        self.applied = True
+        return changes
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"applied": self.applied}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.applied = state["applied"]

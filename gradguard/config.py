@@ -1,0 +1,542 @@
+"""Configuration: one dataclass per concern, grouped in :class:`GuardConfig`.
+
+Every field is documented in place and validated in ``__post_init__``. A bad value raises
+:class:`ConfigError` naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ConfigError", "MeasureConfig", "DetectConfig", "ClipConfig", "LRConfig", "AdamConfig",
+    "RecoveryConfig", "PolicyConfig", "OutputConfig", "GuardConfig", "PRESETS",
+]
+
+#: Actions a ladder rung may name (the policy maps each to an actuator).
+RUNG_ACTIONS = (
+    "tighten_clip", "lower_lr", "lower_layer_lr", "adam", "rollback", "shrink_batch", "halt",
+)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the field, the value and the fix."""
+
+
+def _fail(path: str, value: Any, problem: str, fix: str) -> None:
+    raise ConfigError(f"{path}={value!r}: {problem}. Fix: {fix}")
+
+
+def _positive(obj: Any, name: str, *, allow_zero: bool = False, integer: bool = False) -> None:
+    value = getattr(obj, name)
+    path = f"{obj._path}.{name}"
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+        integer and not isinstance(value, int)
+    ):
+        _fail(path, value, f"must be {kind}", f"pass {kind} such as {_example(obj, name)}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        _fail(path, value, f"must be finite and {bound}", f"use e.g. {_example(obj, name)}")
+
+
+def _fraction(obj: Any, name: str, *, open_low: bool = True, open_high: bool = True) -> None:
+    value = getattr(obj, name)
+    path = f"{obj._path}.{name}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(path, value, "must be a number", f"use e.g. {_example(obj, name)}")
+    low_ok = value > 0 if open_low else value >= 0
+    high_ok = value < 1 if open_high else value <= 1
+    if not (low_ok and high_ok):
+        lo = "(0" if open_low else "[0"
+        hi = "1)" if open_high else "1]"
+        _fail(path, value, f"must lie in {lo}, {hi}", f"use e.g. {_example(obj, name)}")
+
+
+def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        _fail(f"{obj._path}.{name}", value, f"must be one of {list(choices)}",
+              f"pick one of {list(choices)}")
+
+
+def _example(obj: Any, name: str) -> Any:
+    for f in dataclasses.fields(obj):
+        if f.name == name and f.default is not dataclasses.MISSING:
+            return f.default
+    return 1
+
+
+@dataclass(kw_only=True)
+class MeasureConfig:
+    """What is measured and how parameters are grouped into layers."""
+
+    _path = "GuardConfig.measure"
+
+    layer_pattern: str | None = None
+    """Regex applied to each parameter name; its first group (or whole match) names the layer.
+    None uses the built-in rule: module path up to and including the first numeric index
+    (``transformer.h.3``), else the owning module (``lm_head``)."""
+
+    log_interval: int = 50
+    """Every this many steps, parameter norms and update-to-weight ratios are measured per layer
+    (one extra copy of the parameters on those steps only)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "log_interval", integer=True)
+        if self.layer_pattern is not None:
+            import re
+
+            try:
+                re.compile(self.layer_pattern)
+            except (re.error, TypeError) as exc:
+                _fail(f"{self._path}.layer_pattern", self.layer_pattern,
+                      f"is not a valid regular expression ({exc})",
+                      "pass a Python regex such as r'^(.*?\\.\\d+)\\.' or None for the built-in rule")
+
+
+@dataclass(kw_only=True)
+class DetectConfig:
+    """Detector thresholds. Baselines are EMAs of value and absolute deviation (a robust spread);
+    values flagged as spikes enter the baseline clipped to the threshold."""
+
+    _path = "GuardConfig.detect"
+
+    warmup_steps: int = 20
+    """Healthy steps observed before the sigma-based spike detectors are armed."""
+
+    ema_alpha: float = 0.05
+    """Weight of the newest value in the loss and grad-norm baselines (about 1/alpha steps of memory)."""
+
+    loss_sigma: float = 6.0
+    """A loss is a spike when it exceeds the baseline by this many robust standard deviations..."""
+
+    loss_ratio: float = 1.2
+    """...and by this factor of the baseline (both must hold)."""
+
+    early_loss_ratio: float = 1.5
+    """During warm-up: a loss above this factor of the lowest loss seen so far is a spike."""
+
+    grad_sigma: float = 6.0
+    """A total grad norm is a spike beyond this many robust standard deviations of its baseline..."""
+
+    grad_ratio: float = 3.0
+    """...and beyond this factor of the baseline (both must hold)."""
+
+    layer_grad_sigma: float = 8.0
+    """Per-layer grad-norm spike threshold in robust standard deviations."""
+
+    layer_grad_ratio: float = 5.0
+    """Per-layer grad-norm spike threshold as a factor of the layer's baseline."""
+
+    min_rel_spread: float = 0.01
+    """Lower bound of the spread as a fraction of the baseline, so a flat series is not hair-trigger."""
+
+    overflow_streak: int = 5
+    """Consecutive GradScaler overflows that make a finding."""
+
+    overflow_window: int = 100
+    """Window (steps) for the overflow rate."""
+
+    overflow_rate: float = 0.2
+    """Overflow fraction over the window that makes a finding (after a full window)."""
+
+    scale_floor: float = 1.0
+    """A GradScaler scale below this is a collapse (fp16 can no longer represent the gradients)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "warmup_steps", allow_zero=True, integer=True)
+        _fraction(self, "ema_alpha")
+        for name in ("loss_sigma", "grad_sigma", "layer_grad_sigma", "scale_floor"):
+            _positive(self, name)
+        for name in ("loss_ratio", "early_loss_ratio", "grad_ratio", "layer_grad_ratio"):
+            value = getattr(self, name)
+            _positive(self, name)
+            if value < 1:
+                _fail(f"{self._path}.{name}", value, "must be >= 1 (a spike is above the baseline)",
+                      f"use e.g. {_example(self, name)}")
+        _positive(self, "min_rel_spread", allow_zero=True)
+        _positive(self, "overflow_streak", integer=True)
+        _positive(self, "overflow_window", integer=True)
+        _fraction(self, "overflow_rate", open_high=False)
+
+
+@dataclass(kw_only=True)
+class ClipConfig:
+    """Gradient clipping owned by gradguard (it reuses the measured norms: no second pass)."""
+
+    _path = "GuardConfig.clip"
+
+    mode: str = "fixed"
+    """'off' (never clip), 'fixed' (clip at max_norm, tightened/relaxed by the policy) or
+    'adaptive' (ZClip: clip to mean + z*std of an EMA of the total norm, never above max_norm)."""
+
+    max_norm: float = 1.0
+    """Starting max_grad_norm (the value users pass to clip_grad_norm_)."""
+
+    tighten_factor: float = 0.5
+    """Each 'tighten_clip' action multiplies max_norm by this."""
+
+    floor: float = 0.1
+    """max_norm is never tightened below this."""
+
+    relax_after: int = 200
+    """Healthy steps after which a tightened max_norm is relaxed by 1/tighten_factor (up to max_norm)."""
+
+    adaptive_z: float = 2.5
+    """Adaptive mode: z-score above which the norm is clipped (ZClip's default)."""
+
+    adaptive_alpha: float = 0.97
+    """Adaptive mode: EMA decay of the norm's mean and variance (ZClip's default)."""
+
+    adaptive_warmup: int = 25
+    """Adaptive mode: steps that only seed the EMA before adaptive clipping starts."""
+
+    def __post_init__(self) -> None:
+        _choice(self, "mode", ("off", "fixed", "adaptive"))
+        _positive(self, "max_norm")
+        _fraction(self, "tighten_factor")
+        _positive(self, "floor")
+        if self.floor > self.max_norm:
+            _fail(f"{self._path}.floor", self.floor, f"is above max_norm={self.max_norm}",
+                  "set floor <= max_norm, e.g. floor=0.1 with max_norm=1.0")
+        _positive(self, "relax_after", integer=True)
+        _positive(self, "adaptive_z")
+        _fraction(self, "adaptive_alpha")
+        _positive(self, "adaptive_warmup", allow_zero=True, integer=True)
+
+
+@dataclass(kw_only=True)
+class LRConfig:
+    """The LR multiplier: applied around every optimizer step, so any scheduler keeps its own course."""
+
+    _path = "GuardConfig.lr"
+
+    down_factor: float = 0.3
+    """Each 'lower_lr' action multiplies the global LR multiplier (the level that failed) by this."""
+
+    early_down_factor: float = 0.03
+    """'lower_lr' factor for an instability before the loss baseline exists (the first
+    ``detect.warmup_steps`` healthy steps): a blow-up from the start means the LR is grossly too
+    high; the rollback to the initial weights makes a deep cut cheap and recovery raises the LR
+    again if the cut was too deep."""
+
+    recover_ceiling: float = 0.5
+    """Recovery never raises a multiplier above this fraction of the level that failed (until the
+    ceiling itself recovers, after 4 x recover_after healthy steps)."""
+
+    min_multiplier: float = 0.01
+    """The global multiplier never goes below this."""
+
+    layer_factor: float = 0.1
+    """'lower_layer_lr' multiplies the targeted layers' LR by this (the seed's embedding/lm_head x0.1)."""
+
+    layer_groups: dict[str, str] = field(
+        default_factory=lambda: {"embeddings": r"(^|\.)(wte|wpe|embed\w*|\w*_emb\w*|word_embeddings)(\.|$)",
+                                 "lm_head": r"(^|\.)(lm_head|output_layer|embed_out)(\.|$)"}
+    )
+    """Named layer groups (name -> regex on layer names) targeted by 'lower_layer_lr' when no
+    culprit layer was named by a finding."""
+
+    rewarm_steps: int = 25
+    """After a rollback the LR ramps linearly back up to its (lowered) multiplier over this many
+    steps, as a fresh warm-up would (0 disables)."""
+
+    recover_after: int = 100
+    """Healthy steps between two recovery moves of the multipliers back towards their ceiling."""
+
+    recover_factor: float = 1.5
+    """Each recovery move multiplies a lowered multiplier by this, up to its ceiling (the multiplier
+    in force at the last instability, at most 1)."""
+
+    def __post_init__(self) -> None:
+        _fraction(self, "down_factor")
+        _fraction(self, "early_down_factor")
+        _fraction(self, "recover_ceiling", open_high=False)
+        _fraction(self, "min_multiplier", open_high=False)
+        _fraction(self, "layer_factor", open_high=False)
+        if not isinstance(self.layer_groups, dict):
+            _fail(f"{self._path}.layer_groups", self.layer_groups, "must be a dict name -> regex",
+                  "pass e.g. {'embeddings': r'embed'}")
+        import re
+
+        for name, pattern in self.layer_groups.items():
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as exc:
+                _fail(f"{self._path}.layer_groups[{name!r}]", pattern,
+                      f"is not a valid regex ({exc})", "pass a Python regular expression string")
+        _positive(self, "rewarm_steps", integer=True, allow_zero=True)
+        _positive(self, "recover_after", integer=True)
+        _positive(self, "recover_factor")
+        if self.recover_factor <= 1:
+            _fail(f"{self._path}.recover_factor", self.recover_factor, "must be > 1",
+                  "use e.g. 1.5 (each recovery raises the multiplier by 50%)")
+
+
+@dataclass(kw_only=True)
+class AdamConfig:
+    """Live Adam hyperparameter changes made by the 'adam' action (the seed's beta2/eps move)."""
+
+    _path = "GuardConfig.adam"
+
+    beta2: float = 0.95
+    """New beta2 (only lowered, never raised)."""
+
+    eps: float = 1e-6
+    """New eps (only raised, never lowered)."""
+
+    def __post_init__(self) -> None:
+        _fraction(self, "beta2")
+        _positive(self, "eps")
+
+
+@dataclass(kw_only=True)
+class RecoveryConfig:
+    """Snapshots and rollback (used by the 'rollback' rung)."""
+
+    _path = "GuardConfig.recovery"
+
+    snapshot_interval: int = 50
+    """Take a snapshot every this many applied steps (0 disables snapshots and rollback)."""
+
+    ring_size: int = 2
+    """How many healthy snapshots are kept."""
+
+    confirm_steps: int = 10
+    """Healthy steps after a snapshot before it becomes restorable."""
+
+    skip_batches: int = 0
+    """Batches skipped after a rollback (needs a skippable loader, see gradguard.data)."""
+
+    restore_schedule: bool = False
+    """False: the LR schedule keeps its current position after a rollback; True: it is restored too."""
+
+    restore_rng: bool = False
+    """Restore the RNG states saved with the snapshot. Off by default: it would replay the same
+    random stream (dropout masks, and data shuffles drawn from the global RNG)."""
+
+    disk_dir: str | None = None
+    """If set, snapshots are also written there (atomic, checksummed); None keeps them in memory."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "snapshot_interval", allow_zero=True, integer=True)
+        _positive(self, "ring_size", integer=True)
+        _positive(self, "confirm_steps", integer=True)
+        _positive(self, "skip_batches", allow_zero=True, integer=True)
+
+
+@dataclass(kw_only=True)
+class PolicyConfig:
+    """The escalation ladder from findings to actions."""
+
+    _path = "GuardConfig.policy"
+
+    act: bool = True
+    """False observes only (the 'monitor' preset): nothing about training changes."""
+
+    skip_nonfinite: bool = True
+    """Skip a step whose loss or gradients are non-finite."""
+
+    skip_grad_ratio: float = 50.0
+    """Skip a step whose total grad norm exceeds this factor of its baseline (clipping alone would
+    still apply a full-size update in a corrupted direction)."""
+
+    ladder: list[list[str]] = field(
+        default_factory=lambda: [
+            ["rollback", "lower_lr", "tighten_clip"],
+            ["rollback", "adam", "lower_lr"],
+            ["rollback", "lower_lr", "lower_layer_lr"],
+            ["rollback", "lower_lr", "tighten_clip"],
+            ["rollback", "lower_lr"],
+        ]
+    )
+    """Rungs climbed one per escalation; the last rung repeats. 'rollback' restores the newest healthy
+    snapshot and skips the step (without a snapshot it only skips the step). Actions: """ + ", ".join(RUNG_ACTIONS)
+
+    cooldown: int = 5
+    """Steps after an escalation during which new findings do not escalate again (a rollback ends
+    the cooldown: findings after it come from restored, healthy weights)."""
+
+    repeats_to_escalate: int = 3
+    """Non-finite steps (skipped) and grad-norm spikes (clipped or skipped) within
+    escalation_window that together count as instability; one alone is handled by skip/clip."""
+
+    escalation_window: int = 200
+    """Window (steps) for counting spikes and escalations."""
+
+    max_escalations: int = 12
+    """More escalations than this within escalation_window halt the run with a diagnosis."""
+
+    max_skip_streak: int = 25
+    """This many consecutive skipped steps halt the run with a diagnosis."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.act, bool):
+            _fail(f"{self._path}.act", self.act, "must be a bool", "pass True or False")
+        _positive(self, "skip_grad_ratio")
+        if not isinstance(self.ladder, list) or not self.ladder or not all(
+            isinstance(r, (list, tuple)) and r for r in self.ladder
+        ):
+            _fail(f"{self._path}.ladder", self.ladder, "must be a non-empty list of non-empty lists",
+                  "pass e.g. [['lower_lr', 'tighten_clip'], ['adam', 'lower_lr']]")
+        for i, rung in enumerate(self.ladder):
+            for action in rung:
+                if action not in RUNG_ACTIONS:
+                    _fail(f"{self._path}.ladder[{i}]", action, "is not a known action",
+                          f"use actions from {list(RUNG_ACTIONS)}")
+        self.ladder = [list(r) for r in self.ladder]
+        for name in ("cooldown", "repeats_to_escalate", "escalation_window",
+                     "max_escalations", "max_skip_streak"):
+            _positive(self, name, integer=True, allow_zero=(name == "cooldown"))
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    """Where events and metrics go."""
+
+    _path = "GuardConfig.output"
+
+    dir: str | None = None
+    """Folder for the JSONL event log (``<dir>/gradguard/events.jsonl``); None: the adapter's run
+    directory, or ``./gradguard_runs/events-<timestamp>-<pid>.jsonl`` for plain loops."""
+
+    jsonl: bool = True
+    """Write the JSONL event log."""
+
+    console: bool = True
+    """Print one line per action and a summary at the end."""
+
+    metrics_interval: int = 10
+    """Per-step metrics are sent to metric sinks every this many steps (events are never delayed)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "metrics_interval", integer=True)
+
+
+_SECTIONS = {
+    "measure": MeasureConfig, "detect": DetectConfig, "clip": ClipConfig, "lr": LRConfig,
+    "adam": AdamConfig, "recovery": RecoveryConfig, "policy": PolicyConfig, "output": OutputConfig,
+}
+
+
+@dataclass(kw_only=True)
+class GuardConfig:
+    """All of gradguard's settings. ``GuardConfig()`` is the ``"default"`` preset."""
+
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    """Measurement and layer grouping."""
+
+    detect: DetectConfig = field(default_factory=DetectConfig)
+    """Detector thresholds."""
+
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    """Clipping owned by gradguard."""
+
+    lr: LRConfig = field(default_factory=LRConfig)
+    """LR multiplier behaviour."""
+
+    adam: AdamConfig = field(default_factory=AdamConfig)
+    """Adam beta2/eps targets."""
+
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    """Snapshots and rollback."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """Escalation ladder."""
+
+    output: OutputConfig = field(default_factory=OutputConfig)
+    """Sinks."""
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, _build(cls, value, f"GuardConfig.{name}"))
+            elif not isinstance(value, cls):
+                _fail(f"GuardConfig.{name}", value, f"must be a {cls.__name__} or a dict",
+                      f"pass gradguard.config.{cls.__name__}(...) or a dict of its fields")
+
+    # -- construction helpers -------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str = "default", **overrides: Any) -> GuardConfig:
+        """A named preset (see ``PRESETS``); keyword overrides are sections as dicts or objects,
+        e.g. ``GuardConfig.preset("default", clip={"max_norm": 0.5})``."""
+        if name not in PRESETS:
+            raise ConfigError(f"GuardConfig.preset name={name!r}: unknown preset. "
+                              f"Fix: use one of {sorted(PRESETS)}")
+        data = copy.deepcopy(PRESETS[name])
+        for section, value in overrides.items():
+            if section not in _SECTIONS:
+                raise ConfigError(f"GuardConfig.preset {section}={value!r}: unknown section. "
+                                  f"Fix: use one of {sorted(_SECTIONS)}")
+            if dataclasses.is_dataclass(value):
+                value = _asdict(value)
+            data.setdefault(section, {}).update(value)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GuardConfig:
+        """Build from nested dicts (as loaded from JSON/YAML). A ``preset`` key starts from a preset."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"GuardConfig data={data!r}: must be a dict. Fix: pass a mapping of sections")
+        data = dict(data)
+        preset = data.pop("preset", None)
+        if preset is not None:
+            return cls.preset(preset, **data)
+        for key in data:
+            if key not in _SECTIONS:
+                raise ConfigError(f"GuardConfig.{key}={data[key]!r}: unknown section. "
+                                  f"Fix: use one of {sorted(_SECTIONS)}")
+        return cls(**{k: _build(_SECTIONS[k], v, f"GuardConfig.{k}") for k, v in data.items()})
+
+    @classmethod
+    def from_yaml(cls, path: str) -> GuardConfig:
+        """Load from a YAML (or JSON) file of nested sections."""
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        if path.endswith(".json"):
+            import json
+
+            return cls.from_dict(json.loads(text))
+        try:
+            import yaml
+        except ImportError as exc:  # pragma: no cover - PyYAML ships with most setups
+            raise ImportError("loading YAML configs needs PyYAML: pip install pyyaml") from exc
+        return cls.from_dict(yaml.safe_load(text) or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: _asdict(getattr(self, name)) for name in _SECTIONS}
+
+
+def _asdict(obj: Any) -> dict[str, Any]:
+    return {f.name: copy.deepcopy(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def _build(cls: type, value: Any, path: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}={value!r}: must be a dict of fields. Fix: pass e.g. {{}} for defaults")
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in value:
+        if key not in names:
+            raise ConfigError(f"{path}.{key}={value[key]!r}: unknown field. Fix: use one of {sorted(names)}")
+    return cls(**value)
+
+
+#: Named presets as nested dicts over the defaults.
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "monitor": {"policy": {"act": False}, "clip": {"mode": "off"}, "recovery": {"snapshot_interval": 0}},
+    "adaptive": {"clip": {"mode": "adaptive"}},
+    "conservative": {
+        "detect": {"loss_sigma": 5.0, "grad_sigma": 5.0, "loss_ratio": 1.1},
+        "clip": {"max_norm": 0.5},
+        "policy": {"cooldown": 10},
+    },
+}

@@ -1,0 +1,284 @@
+"""Detectors: read one step's signals, return findings. They never change training."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .config import DetectConfig
+
+__all__ = ["Signals", "Finding", "RobustBaseline", "NonFiniteDetector", "LossSpikeDetector",
+           "GradSpikeDetector", "LossScaleDetector", "Detectors", "INFO", "WARNING", "CRITICAL"]
+
+INFO, WARNING, CRITICAL = "info", "warning", "critical"
+
+
+@dataclass
+class Signals:
+    """One optimizer step as the detectors see it (host floats only)."""
+
+    step: int
+    loss: float | None
+    total_norm: float
+    layer_norms: dict[str, float]
+    nonfinite_layers: list[str] = field(default_factory=list)
+    scale: float | None = None
+    overflow: bool = False
+    lrs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Finding:
+    """Something a detector saw: kind, severity, the value against its threshold, culprit layers."""
+
+    kind: str
+    severity: str
+    step: int
+    value: float | None = None
+    threshold: float | None = None
+    baseline: float | None = None
+    layers: list[str] = field(default_factory=list)
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RobustBaseline:
+    """EMA of a series and of its absolute deviation (a robust spread: sigma ~ 1.25 * MAD).
+
+    Spikes enter clipped to the threshold, so one outlier neither hides the next one nor stalls
+    adaptation to a genuine level shift.
+    """
+
+    def __init__(self, alpha: float, min_rel_spread: float) -> None:
+        self.alpha = alpha
+        self.min_rel_spread = min_rel_spread
+        self.mean: float | None = None
+        self.dev = 0.0
+        self.count = 0
+
+    def sigma(self) -> float:
+        assert self.mean is not None
+        return max(1.2533 * self.dev, self.min_rel_spread * abs(self.mean), 1e-12)
+
+    def threshold(self, n_sigma: float, ratio: float) -> float:
+        assert self.mean is not None
+        return max(self.mean + n_sigma * self.sigma(), ratio * self.mean)
+
+    def update(self, x: float) -> None:
+        if not math.isfinite(x):
+            return
+        self.count += 1
+        if self.mean is None:
+            self.mean = x
+            self.dev = 0.0
+            return
+        # fast start: a plain average over the first 1/alpha values, then the EMA
+        a = max(self.alpha, 1.0 / self.count)
+        d = abs(x - self.mean)
+        self.mean += a * (x - self.mean)
+        self.dev += a * (d - self.dev)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mean": self.mean, "dev": self.dev, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.mean, self.dev, self.count = state["mean"], state["dev"], state["count"]
+
+
+class NonFiniteDetector:
+    """Non-finite loss or gradients, naming the layers whose gradients are non-finite.
+
+    With a GradScaler an inf/nan gradient is an overflow the scaler handles; it is reported as
+    an 'overflow' (info), not as a critical non-finite gradient."""
+
+    def observe(self, s: Signals) -> list[Finding]:
+        out = []
+        if s.loss is not None and not math.isfinite(s.loss):
+            out.append(Finding("nonfinite_loss", CRITICAL, s.step, value=s.loss,
+                               layers=list(s.nonfinite_layers),
+                               message=f"loss is {s.loss}"))
+        if s.nonfinite_layers:
+            if s.overflow:
+                out.append(Finding("overflow", INFO, s.step, value=s.scale, layers=list(s.nonfinite_layers),
+                                   message=f"fp16 overflow at scale {s.scale}"))
+            else:
+                out.append(Finding("nonfinite_grad", CRITICAL, s.step, layers=list(s.nonfinite_layers),
+                                   message="non-finite gradients in " + ", ".join(s.nonfinite_layers[:5])))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class LossSpikeDetector:
+    """Loss far above its robust baseline; during warm-up, far above the lowest loss so far."""
+
+    def __init__(self, cfg: DetectConfig) -> None:
+        self.cfg = cfg
+        self.base = RobustBaseline(cfg.ema_alpha, cfg.min_rel_spread)
+        self.healthy = 0
+        self.min_loss: float | None = None
+
+    def observe(self, s: Signals) -> list[Finding]:
+        x = s.loss
+        if x is None or not math.isfinite(x):
+            return []
+        cfg = self.cfg
+        finding = None
+        if self.healthy >= cfg.warmup_steps and self.base.mean is not None:
+            thr = self.base.threshold(cfg.loss_sigma, cfg.loss_ratio)
+            if x > thr:
+                sev = CRITICAL if x > 2 * thr else WARNING
+                finding = Finding("loss_spike", sev, s.step, value=x, threshold=thr, baseline=self.base.mean,
+                                  message=f"loss {x:.4g} > {thr:.4g} (baseline {self.base.mean:.4g})")
+                self.base.update(thr)
+        elif self.min_loss is not None and x > cfg.early_loss_ratio * self.min_loss > 0:
+            thr = cfg.early_loss_ratio * self.min_loss
+            finding = Finding("loss_spike", CRITICAL if x > 2 * thr else WARNING, s.step, value=x,
+                              threshold=thr, baseline=self.min_loss,
+                              message=f"loss {x:.4g} > {cfg.early_loss_ratio} x lowest loss {self.min_loss:.4g} "
+                                      "during warm-up")
+        if finding is None:
+            self.base.update(x)
+            self.healthy += 1
+            self.min_loss = x if self.min_loss is None else min(self.min_loss, x)
+            return []
+        return [finding]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"base": self.base.state_dict(), "healthy": self.healthy, "min_loss": self.min_loss}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.base.load_state_dict(state["base"])
+        self.healthy, self.min_loss = state["healthy"], state["min_loss"]
+
+
+class GradSpikeDetector:
+    """Total and per-layer grad-norm spikes against robust baselines (armed after warm-up)."""
+
+    def __init__(self, cfg: DetectConfig) -> None:
+        self.cfg = cfg
+        self.total = RobustBaseline(cfg.ema_alpha, cfg.min_rel_spread)
+        self.layers: dict[str, RobustBaseline] = {}
+
+    def ratio(self, norm: float) -> float:
+        """How many times the total-norm baseline this norm is (1.0 before any baseline)."""
+        if self.total.mean is None or self.total.count < self.cfg.warmup_steps or self.total.mean <= 0:
+            return 1.0
+        return norm / self.total.mean
+
+    def observe(self, s: Signals) -> list[Finding]:
+        cfg = self.cfg
+        out: list[Finding] = []
+        if not math.isfinite(s.total_norm):
+            return out
+        armed = self.total.count >= cfg.warmup_steps and self.total.mean is not None
+        culprits: list[str] = []
+        for name, v in s.layer_norms.items():
+            b = self.layers.get(name)
+            if b is None:
+                b = self.layers[name] = RobustBaseline(cfg.ema_alpha, cfg.min_rel_spread)
+            if armed and b.mean is not None and b.mean > 0:
+                thr = b.threshold(cfg.layer_grad_sigma, cfg.layer_grad_ratio)
+                if v > thr:
+                    culprits.append(name)
+                    b.update(thr)
+                    continue
+            b.update(v)
+        if armed:
+            thr = self.total.threshold(cfg.grad_sigma, cfg.grad_ratio)
+            if s.total_norm > thr:
+                sev = CRITICAL if s.total_norm > 10 * thr else WARNING
+                out.append(Finding("grad_spike", sev, s.step, value=s.total_norm, threshold=thr,
+                                   baseline=self.total.mean, layers=culprits,
+                                   message=f"grad norm {s.total_norm:.4g} > {thr:.4g} "
+                                           f"(baseline {self.total.mean:.4g})"))
+                self.total.update(thr)
+                return out
+        if culprits:
+            out.append(Finding("layer_grad_spike", WARNING, s.step, layers=culprits,
+                               message="layer grad-norm spike in " + ", ".join(culprits[:5])))
+        self.total.update(s.total_norm)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"total": self.total.state_dict(),
+                "layers": {k: b.state_dict() for k, b in self.layers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.total.load_state_dict(state["total"])
+        self.layers = {}
+        for k, v in state["layers"].items():
+            b = self.layers[k] = RobustBaseline(self.cfg.ema_alpha, self.cfg.min_rel_spread)
+            b.load_state_dict(v)
+
+
+class LossScaleDetector:
+    """GradScaler health: overflow streaks, overflow rate over a window, scale collapse."""
+
+    def __init__(self, cfg: DetectConfig) -> None:
+        self.cfg = cfg
+        self.streak = 0
+        self.window: deque[int] = deque(maxlen=cfg.overflow_window)
+
+    def observe(self, s: Signals) -> list[Finding]:
+        if s.scale is None:
+            return []
+        cfg = self.cfg
+        out = []
+        self.streak = self.streak + 1 if s.overflow else 0
+        self.window.append(int(s.overflow))
+        if self.streak >= cfg.overflow_streak:
+            out.append(Finding("overflow_streak", WARNING, s.step, value=self.streak,
+                               threshold=cfg.overflow_streak, layers=list(s.nonfinite_layers),
+                               message=f"{self.streak} consecutive fp16 overflows"))
+        if len(self.window) == self.window.maxlen:
+            rate = sum(self.window) / len(self.window)
+            if rate > cfg.overflow_rate:
+                out.append(Finding("overflow_rate", WARNING, s.step, value=rate, threshold=cfg.overflow_rate,
+                                   message=f"overflow rate {rate:.0%} over {len(self.window)} steps"))
+        if s.scale < cfg.scale_floor:
+            out.append(Finding("scale_collapse", CRITICAL, s.step, value=s.scale, threshold=cfg.scale_floor,
+                               layers=list(s.nonfinite_layers),
+                               message=f"loss scale {s.scale:g} fell below {cfg.scale_floor:g}"))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streak": self.streak, "window": list(self.window)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streak = state["streak"]
+        self.window = deque(state["window"], maxlen=self.cfg.overflow_window)
+
+
+class Detectors:
+    """All detectors, run in a fixed order."""
+
+    def __init__(self, cfg: DetectConfig) -> None:
+        self.nonfinite = NonFiniteDetector()
+        self.loss = LossSpikeDetector(cfg)
+        self.grad = GradSpikeDetector(cfg)
+        self.scale = LossScaleDetector(cfg)
+
+    def _all(self) -> dict[str, Any]:
+        return {"nonfinite": self.nonfinite, "loss": self.loss, "grad": self.grad, "scale": self.scale}
+
+    def observe(self, s: Signals) -> list[Finding]:
+        out: list[Finding] = []
+        for det in self._all().values():
+            out.extend(det.observe(s))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: d.state_dict() for k, d in self._all().items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, d in self._all().items():
+            d.load_state_dict(state[k])

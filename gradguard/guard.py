@@ -1,0 +1,468 @@
+"""The guard: measure -> detect -> decide -> act, once per optimizer step.
+
+:class:`GuardCore` is engine-agnostic: an engine (plain loop, HF Trainer, Lightning) calls
+:meth:`GuardCore.before_step` when gradients are final (accumulated, unscaled, not yet clipped)
+and :meth:`GuardCore.after_step` once the optimizer has (or has not) stepped.
+:class:`Guard` is the plain-PyTorch engine: ``guard.step(loss)`` replaces
+``clip_grad_norm_`` + ``optimizer.step()`` (+ ``scaler.step/update``) + ``scheduler.step()``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
+from .config import GuardConfig
+from .detect import Detectors, Finding, Signals
+from .measure import GradMeasurer, LayerMap, metric_key
+from .policy import Action, Policy
+from .sinks import ConsoleSink, JSONLSink, M, Sink
+from .snapshot import SnapshotRing
+
+__all__ = ["GradGuardHalt", "StepReport", "GuardCore", "Guard"]
+
+STATE_VERSION = 1
+
+
+class GradGuardHalt(RuntimeError):
+    """Raised when the policy stops training. ``.diagnosis`` holds what happened, when, in which
+    layers and what was tried; ``str(exc)`` is a readable summary."""
+
+    def __init__(self, diagnosis: dict[str, Any]) -> None:
+        self.diagnosis = diagnosis
+        tried = ", ".join(f"{k} x{v}" for k, v in diagnosis.get("actions_tried", {}).items()) or "nothing"
+        layers = ", ".join(diagnosis.get("culprit_layers", [])[:8]) or "none named"
+        super().__init__(
+            f"gradguard halted training at step {diagnosis.get('step')}: {diagnosis.get('reason')}. "
+            f"Culprit layers: {layers}. Tried: {tried}. Last findings: "
+            + "; ".join(f"step {f['step']} {f['kind']}" for f in diagnosis.get("recent_findings", [])[-5:])
+        )
+
+
+@dataclass
+class StepReport:
+    """What ``guard.step`` did. ``applied`` is False when the optimizer step was skipped."""
+
+    step: int
+    applied: bool
+    skip_reason: str = ""
+    loss: float | None = None
+    total_norm: float = 0.0
+    layer_norms: dict[str, float] = field(default_factory=dict)
+    clip_to: float | None = None
+    clipped: bool = False
+    scale: float | None = None
+    overflow: bool = False
+    lr_multiplier: float = 1.0
+    findings: list[Finding] = field(default_factory=list)
+    actions: list[Action] = field(default_factory=list)
+    halt: bool = False
+    diagnosis: dict[str, Any] | None = None
+
+    @property
+    def skipped(self) -> bool:
+        return not self.applied
+
+
+def _scaler_state(scaler: Any, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(scale tensor, found_inf tensor) of an enabled GradScaler after unscale_, without a sync."""
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+        return None, None
+    scale = getattr(scaler, "_scale", None)
+    found = None
+    states = getattr(scaler, "_per_optimizer_states", {})
+    st = states.get(id(optimizer)) if isinstance(states, dict) else None
+    if st and st.get("found_inf_per_device"):
+        vals = list(st["found_inf_per_device"].values())
+        found = vals[0] if len(vals) == 1 else torch.stack([v.to(vals[0].device) for v in vals]).sum()
+    return scale, found
+
+
+class GuardCore:
+    """The engine-agnostic guard. Adapters translate their engine's hooks into these calls."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, *, config: GuardConfig | None = None,
+                 sinks: list[Sink] | None = None, out_dir: str | None = None,
+                 layer_fn: Callable[[str], str] | None = None, scheduler: Any = None,
+                 scaler: Any = None) -> None:
+        if config is None:
+            config = GuardConfig()
+        if not isinstance(config, GuardConfig):
+            raise TypeError(f"gradguard: config={type(config).__name__} is not a GuardConfig. "
+                            "Fix: pass gradguard.GuardConfig(...) or GuardConfig.preset(name)")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"gradguard: model={type(model).__name__} is not a torch.nn.Module. "
+                            "Fix: pass the module whose parameters the optimizer trains")
+        self.config = config
+        self.model = model
+        self.optimizer = unwrap_optimizer(optimizer)
+        self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern)
+        self._check_optimizer_covers_model()
+        self.measurer = GradMeasurer(self.layers)
+        self.detectors = Detectors(config.detect)
+        self.policy = Policy(config.policy)
+        self.clip = ClipController(config.clip)
+        self.lr = LRMultiplier(config.lr, self.optimizer, self.layers)
+        self.adam = AdamTuner(config.adam, self.optimizer)
+        self.actuators: dict[str, Callable[[Action], dict[str, Any]]] = {}
+        self.snapshots: SnapshotRing | None = None
+        rc = config.recovery
+        if rc.snapshot_interval > 0 and config.policy.act:
+            self.snapshots = SnapshotRing(model, self.optimizer, ring_size=rc.ring_size,
+                                          confirm_steps=rc.confirm_steps, scheduler=scheduler, scaler=scaler)
+            self.snapshots.register("gradguard_detectors", self.detectors.state_dict,
+                                    self.detectors.load_state_dict)
+            self.register_actuator("rollback", self._rollback)
+        self.step_count = 0
+        self.applied_steps = 0
+        self.skipped_steps = 0
+        self.n_findings = 0
+        self.action_counts: Counter[str] = Counter()
+        self.recent_findings: deque[dict[str, Any]] = deque(maxlen=50)
+        self.culprits: Counter[str] = Counter()
+        self._loss_sum: torch.Tensor | float | None = None
+        self._loss_n = 0
+        self._before_params: list[torch.Tensor] | None = None
+        self._last: StepReport | None = None
+        self.sinks: list[Sink] = list(sinks or [])
+        self.out_dir = out_dir if out_dir is not None else config.output.dir
+        self.log_path: str | None = None
+        if config.output.jsonl:
+            if self.out_dir is not None:
+                self.log_path = os.path.join(self.out_dir, "gradguard", "events.jsonl")
+            else:
+                stamp = time.strftime("%Y%m%d-%H%M%S")
+                self.log_path = os.path.join(os.getcwd(), "gradguard_runs", f"events-{stamp}-{os.getpid()}.jsonl")
+            self.sinks.append(JSONLSink(self.log_path))
+        if config.output.console:
+            self.sinks.append(ConsoleSink())
+        self._closed = False
+        self._emit({"type": "start", "step": 0, "layers": list(self.layers.layer_names),
+                    "config": config.to_dict()})
+
+    # -- validation ------------------------------------------------------------------------
+    def _check_optimizer_covers_model(self) -> None:
+        in_opt = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        if not any(id(p) in in_opt for p in self.layers.params):
+            raise ValueError("gradguard: none of the model's trainable parameters is in the optimizer. "
+                             "Fix: pass the same model the optimizer was built from")
+
+    # -- engine API ------------------------------------------------------------------------
+    def observe_loss(self, loss: torch.Tensor | float) -> None:
+        """Record one micro-batch loss (unscaled); the step's loss is their mean."""
+        value = loss.detach().float() if isinstance(loss, torch.Tensor) else float(loss)
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_n += 1
+
+    def _take_loss(self, loss: torch.Tensor | float | None) -> torch.Tensor | float | None:
+        if loss is None and self._loss_n:
+            loss = self._loss_sum / self._loss_n  # type: ignore[operator]
+        self._loss_sum, self._loss_n = None, 0
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().float().mean() if loss.numel() > 1 else loss.detach()
+        return loss
+
+    def before_step(self, loss: torch.Tensor | float | None = None, *, scaler: Any = None,
+                    drop_on_skip: bool = False) -> StepReport:
+        """Call once per optimizer step, gradients final and unscaled. Measures (one sync),
+        detects, decides; clips in place unless the step is to be skipped. With
+        ``drop_on_skip`` a skipped step also sets every grad to None (for engines that will call
+        ``optimizer.step()`` anyway)."""
+        cfg = self.config
+        step = self.step_count + 1
+        if self.snapshots is not None and self.snapshots.taken == 0:
+            self._take_snapshot(self.step_count)  # the initial weights, before any update
+        loss_v = self._take_loss(loss)
+        scale_t, found_t = _scaler_state(scaler, self.optimizer)
+        meas = self.measurer.measure([loss_v, scale_t, found_t])
+        loss_f, scale_f, found_f = meas.extras
+        scale = None if scale_t is None else scale_f
+        overflow = bool(found_t is not None and found_f > 0)
+        layer_norms = dict(zip(self.layers.layer_names, meas.layer_norms))
+        sig = Signals(step=step, loss=None if loss_v is None else loss_f, total_norm=meas.total_norm,
+                      layer_norms=layer_norms, nonfinite_layers=meas.nonfinite_layers, scale=scale,
+                      overflow=overflow)
+        grad_ratio = self.detectors.grad.ratio(meas.total_norm)
+        findings = self.detectors.observe(sig)
+        decision = self.policy.decide(sig, findings, grad_ratio)
+        report = StepReport(step=step, applied=not decision.skip, skip_reason=decision.skip_reason,
+                            loss=sig.loss, total_norm=meas.total_norm, layer_norms=layer_norms,
+                            scale=scale, overflow=overflow, findings=findings)
+        grads = None
+        if cfg.policy.act:
+            clip_to = self.clip.threshold(meas.total_norm)
+            report.clip_to = clip_to
+            if not decision.skip:
+                grads, _ = self.measurer.grads()
+                report.clipped = self.clip.apply(grads, meas.total_norm, clip_to)
+            self.clip.observe(meas.total_norm, clip_to)
+        for f in findings:
+            self.n_findings += 1
+            self.culprits.update(f.layers)
+            fd = {"type": "finding", **f.to_dict()}
+            self.recent_findings.append(fd)
+            self._emit(fd)
+        if self.snapshots is not None:
+            healthy = not decision.unstable and sig.loss is not None and math.isfinite(sig.loss)
+            self.snapshots.observe(step, healthy and not decision.skip)
+        self._failed_mult = self.lr.current()  # the level this step's instability happened at
+        for a in decision.actions:
+            self._execute(a)
+            report.actions.append(a)
+            if a.name == "rollback":
+                report.applied = False  # the gradients came from the discarded weights
+                report.skip_reason = report.skip_reason or (
+                    "rolled back" if "to_step" in a.params else "instability (no snapshot to roll back to)")
+                decision.skip = True
+                if "to_step" in a.params:
+                    self.policy.last_escalation = None  # restored weights: no cooldown
+        if decision.unstable:
+            self.lr.mark_unstable(self._failed_mult)
+            self.clip.reset_healthy()
+        elif cfg.policy.act and not decision.skip:
+            relaxed = self.clip.tick_healthy()
+            if relaxed:
+                report.actions.append(self._record(Action("relax_clip", step, "stable period",
+                                                          {"from": relaxed[0], "to": relaxed[1]})))
+            recovered = self.lr.tick_healthy()
+            if recovered:
+                report.actions.append(self._record(Action("recover_lr", step, "stable period", recovered)))
+        if decision.skip:
+            self.skipped_steps += 1
+            if drop_on_skip:
+                drop_grads(self.layers.params)
+            report.clipped = False
+        if decision.halt:
+            report.halt = True
+            report.applied = False
+            report.diagnosis = self.diagnosis(report, next((a.reason for a in decision.actions
+                                                            if a.name == "halt"), "policy halt"))
+            self._emit({"type": "halt", "step": step, "message": report.diagnosis["reason"],
+                        "diagnosis": report.diagnosis})
+        report.lr_multiplier = self.lr.current()
+        if report.applied and step % cfg.measure.log_interval == 0:
+            self._before_params = [p.detach().clone() for p in self.layers.params]
+        self._last = report
+        return report
+
+    def after_step(self, report: StepReport) -> None:
+        """Call after the optimizer stepped (or not): counters, log-interval metrics."""
+        self.step_count = report.step
+        if report.applied:
+            self.applied_steps += 1
+            interval = self.config.recovery.snapshot_interval
+            if self.snapshots is not None and self.applied_steps % interval == 0:
+                self._take_snapshot(report.step)
+        if report.step % self.config.output.metrics_interval == 0 or report.findings or report.actions:
+            self._emit_metrics(report)
+
+    # -- actions ---------------------------------------------------------------------------
+    def register_actuator(self, name: str, fn: Callable[[Action], dict[str, Any]]) -> None:
+        """Plug an action in (rollback, shrink_batch...): ``fn(action)`` acts and returns its params."""
+        self.actuators[name] = fn
+
+    def _take_snapshot(self, step: int) -> None:
+        assert self.snapshots is not None
+        snap = self.snapshots.take(step)
+        self._emit({"type": "snapshot", "step": step, "bytes": snap.nbytes, "seconds": snap.seconds})
+
+    def _rollback(self, a: Action) -> dict[str, Any]:
+        assert self.snapshots is not None
+        snap = self.snapshots.best()
+        if snap is None:
+            return {"unavailable": "no healthy snapshot yet: step skipped instead"}
+        self.snapshots.restore(snap, restore_schedule=self.config.recovery.restore_schedule,
+                               restore_rng=self.config.recovery.restore_rng)
+        self.lr.reapply_after_restore()
+        self.lr.rewarm()
+        return {"to_step": snap.step, "confirmed": snap.confirmed, "steps_lost": a.step - 1 - snap.step}
+
+    def _execute(self, a: Action) -> None:
+        if a.name == "lower_lr":
+            early = self.detectors.loss.healthy < self.config.detect.warmup_steps
+            factor = self.config.lr.early_down_factor if early else self.config.lr.down_factor
+            old, new = self.lr.lower(failed_at=getattr(self, "_failed_mult", None), factor=factor)
+            a.params["early"] = early
+            a.params.update({"from": old, "to": new})
+        elif a.name == "tighten_clip":
+            if self.config.clip.mode == "off":
+                a.params["unavailable"] = "clip.mode is 'off'"
+            else:
+                old, new = self.clip.tighten()
+                a.params.update({"from": old, "to": new})
+        elif a.name == "adam":
+            if not self.adam.supported():
+                a.params["unavailable"] = "optimizer has no betas/eps"
+            else:
+                a.params.update(self.adam.apply())
+        elif a.name == "lower_layer_lr":
+            named = [n for n, _ in self.culprits.most_common(3)]
+            if not named:
+                for pattern in self.config.lr.layer_groups.values():
+                    named.extend(self.layers.match(pattern))
+            a.params.update(self.lr.lower_layers(sorted(set(named))) if named else {"unavailable": "no layers"})
+        elif a.name == "halt":
+            pass
+        elif a.name in self.actuators:
+            a.params.update(self.actuators[a.name](a) or {})
+        else:
+            a.params["unavailable"] = f"no {a.name} actuator attached"
+        self._record(a)
+
+    def _record(self, a: Action) -> Action:
+        self.action_counts[a.name] += 1
+        self._emit({"type": "action", **a.to_dict()})
+        return a
+
+    # -- reporting -------------------------------------------------------------------------
+    def _emit(self, event: dict[str, Any]) -> None:
+        event.setdefault("time", time.time())
+        for s in self.sinks:
+            s.log_event(event)
+
+    def metrics(self, report: StepReport) -> dict[str, float]:
+        m: dict[str, float] = {M.GRAD_NORM: report.total_norm, M.LR_MULT: self.lr.current(),
+                               M.SKIPPED: float(self.skipped_steps), M.FINDINGS: float(self.n_findings),
+                               M.LEVEL: float(self.policy.level)}
+        if report.loss is not None:
+            m[M.LOSS] = report.loss
+        if self.config.clip.mode != "off":
+            m[M.MAX_NORM] = self.clip.max_norm
+        if report.scale is not None:
+            m[M.SCALE] = report.scale
+            m[M.OVERFLOW] = float(report.overflow)
+        for name, v in report.layer_norms.items():
+            m[f"{M.GRAD_NORM_LAYER}/{metric_key(name)}"] = v
+        for i, g in enumerate(self.optimizer.param_groups):
+            m[f"{M.LR}/group{i}"] = float(g["lr"]) * self.lr.current()
+        for name, c in self.action_counts.items():
+            m[f"{M.ACTION}/{name}"] = float(c)
+        if self._before_params is not None:
+            ratios, wn = self.measurer.update_ratios(self._before_params)
+            self._before_params = None
+            for name, r, w in zip(self.layers.layer_names, ratios, wn):
+                m[f"{M.UPDATE_RATIO_LAYER}/{metric_key(name)}"] = r
+                m[f"{M.PARAM_NORM_LAYER}/{metric_key(name)}"] = w
+        return m
+
+    def _emit_metrics(self, report: StepReport) -> None:
+        m = self.metrics(report)
+        for s in self.sinks:
+            s.log_metrics(report.step, m)
+
+    def diagnosis(self, report: StepReport, reason: str) -> dict[str, Any]:
+        return {
+            "step": report.step, "reason": reason, "loss": report.loss, "grad_norm": report.total_norm,
+            "culprit_layers": [n for n, _ in self.culprits.most_common(8)],
+            "actions_tried": dict(self.action_counts), "skipped_steps": self.skipped_steps,
+            "lr_multiplier": self.lr.global_mult, "max_grad_norm": self.clip.max_norm,
+            "recent_findings": list(self.recent_findings)[-10:],
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {"steps": self.step_count, "applied": self.applied_steps, "skipped": self.skipped_steps,
+                "findings": self.n_findings, "actions": dict(self.action_counts),
+                "lr_multiplier": self.lr.global_mult, "max_grad_norm": self.clip.max_norm,
+                "log": self.log_path}
+
+    def close(self) -> dict[str, Any]:
+        """Write the summary and close the sinks (idempotent)."""
+        summary = self.summary()
+        if not self._closed:
+            self._closed = True
+            for s in self.sinks:
+                s.close(summary)
+        return summary
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION, "step_count": self.step_count, "applied_steps": self.applied_steps,
+            "skipped_steps": self.skipped_steps, "n_findings": self.n_findings,
+            "action_counts": dict(self.action_counts), "culprits": dict(self.culprits),
+            "detectors": self.detectors.state_dict(), "policy": self.policy.state_dict(),
+            "clip": self.clip.state_dict(), "lr": self.lr.state_dict(), "adam": self.adam.state_dict(),
+            "snapshots": self.snapshots.state_dict() if self.snapshots is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"gradguard: state version {state.get('version')!r} is not {STATE_VERSION}. "
+                             "Fix: load a state saved by this gradguard version")
+        self.step_count = state["step_count"]
+        self.applied_steps = state["applied_steps"]
+        self.skipped_steps = state["skipped_steps"]
+        self.n_findings = state["n_findings"]
+        self.action_counts = Counter(state["action_counts"])
+        self.culprits = Counter(state["culprits"])
+        self.detectors.load_state_dict(state["detectors"])
+        self.policy.load_state_dict(state["policy"])
+        self.clip.load_state_dict(state["clip"])
+        self.lr.load_state_dict(state["lr"])
+        self.adam.load_state_dict(state["adam"])
+        if self.snapshots is not None and state.get("snapshots"):
+            self.snapshots.load_state_dict(state["snapshots"])
+
+
+class Guard(GuardCore):
+    """gradguard for a hand-written PyTorch loop.
+
+    ``report = guard.step(loss)`` after ``backward()`` replaces gradient clipping,
+    ``optimizer.step()``, ``scaler.step/update`` and ``scheduler.step()``. Rules:
+
+    * Gradient accumulation: call ``guard.step`` only on the accumulation boundary, passing the
+      mean micro-batch loss, or call ``guard.observe_loss(l)`` per micro-batch and ``guard.step()``.
+    * Pass the *unscaled* loss; with a GradScaler the guard unscales the gradients itself.
+    * A skipped step does not advance the scheduler (nor Adam's step count); the scheduler is
+      stepped only after an applied optimizer step. ``ReduceLROnPlateau`` is left to the caller.
+    * On a halt, ``GradGuardHalt`` is raised (the step is not applied).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+                 scaler: Any = None, config: GuardConfig | None = None, sinks: list[Sink] | None = None,
+                 out_dir: str | None = None, layer_fn: Callable[[str], str] | None = None) -> None:
+        super().__init__(model, optimizer, config=config, sinks=sinks, out_dir=out_dir, layer_fn=layer_fn,
+                         scheduler=scheduler, scaler=scaler)
+        self.user_optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+        self._step_scheduler = scheduler is not None and not isinstance(scheduler, plateau)
+
+    def step(self, loss: torch.Tensor | float | None = None) -> StepReport:
+        opt = self.user_optimizer
+        if self.scaler is not None:
+            self.scaler.unscale_(opt)
+        report = self.before_step(loss, scaler=self.scaler)
+        if report.applied:
+            if self.scaler is not None:
+                self.scaler.step(opt)
+            else:
+                opt.step()
+        if self.scaler is not None:
+            self.scaler.update()  # also after a skip: it resets the scaler's per-step state
+        if report.applied and self._step_scheduler:
+            self.scheduler.step()
+        self.after_step(report)
+        if report.halt:
+            self.close()
+            raise GradGuardHalt(report.diagnosis or {})
+        return report
+
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict()
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,188 @@
+"""Per-layer gradient norms in one fused pass and one host-device sync per step."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["default_layer_name", "LayerMap", "Measurement", "GradMeasurer", "metric_key"]
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
+
+
+def default_layer_name(param_name: str) -> str:
+    """Built-in grouping: module path up to and including the first numeric index
+    (``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.3``), else the owning module
+    (``lm_head.weight`` -> ``lm_head``). Wrapper prefixes (DDP, torch.compile, FSDP) are dropped."""
+    name = param_name
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                changed = True
+        name = name.replace("._orig_mod.", ".").replace("._fsdp_wrapped_module.", ".")
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or parts[0]
+
+
+def metric_key(layer: str) -> str:
+    """A layer name as it appears in metric names: no dots (W&B globbing breaks on dots)."""
+    return layer.replace(".", "_")
+
+
+class LayerMap:
+    """Assigns every trainable parameter of a model to a named layer."""
+
+    def __init__(self, model: nn.Module,
+                 layer_fn: Callable[[str], str] | str | None = None) -> None:
+        if isinstance(layer_fn, str):
+            pattern = re.compile(layer_fn)
+
+            def by_regex(name: str) -> str:
+                m = pattern.search(name)
+                if not m:
+                    return default_layer_name(name)
+                return m.group(1) if m.groups() else m.group(0)
+
+            fn: Callable[[str], str] = by_regex
+        else:
+            fn = layer_fn or default_layer_name
+        self.params: list[nn.Parameter] = []
+        self.param_names: list[str] = []
+        self.layer_names: list[str] = []
+        self.layer_index: list[int] = []
+        seen: dict[str, int] = {}
+        for pname, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            layer = fn(pname)
+            if layer not in seen:
+                seen[layer] = len(self.layer_names)
+                self.layer_names.append(layer)
+            self.params.append(p)
+            self.param_names.append(pname)
+            self.layer_index.append(seen[layer])
+        if not self.params:
+            raise ValueError("gradguard: the model has no trainable parameters (requires_grad=True); "
+                             "attach the guard to the model being trained")
+
+    def __len__(self) -> int:
+        return len(self.layer_names)
+
+    def params_of(self, layers: Iterable[str]) -> list[nn.Parameter]:
+        wanted = {self.layer_names.index(n) for n in layers if n in self.layer_names}
+        return [p for p, i in zip(self.params, self.layer_index) if i in wanted]
+
+    def match(self, pattern: str) -> list[str]:
+        rx = re.compile(pattern)
+        return [n for n in self.layer_names if rx.search(n)]
+
+
+@dataclass
+class Measurement:
+    """What one step's sync brought back to the host."""
+
+    layer_norms: list[float]
+    total_norm: float
+    extras: list[float] = field(default_factory=list)
+    nonfinite_layers: list[str] = field(default_factory=list)
+    syncs: int = 1
+
+
+def _fused_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    try:
+        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    except Exception:  # sparse, mixed devices, old torch: fall back to one norm per tensor
+        out = []
+        for g in grads:
+            if g.is_sparse:
+                g = g.coalesce()._values()
+            out.append(torch.linalg.vector_norm(g, 2, dtype=torch.float32))
+        return out
+
+
+class GradMeasurer:
+    """Per-layer L2 norms of the current gradients (plus any extra scalars) in one transfer."""
+
+    def __init__(self, layers: LayerMap) -> None:
+        self.layers = layers
+        self._index_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+        self.transfers = 0  # host-device transfers made by measure(): one per call
+
+    def grads(self) -> tuple[list[torch.Tensor], list[int]]:
+        grads, owners = [], []
+        for p, li in zip(self.layers.params, self.layers.layer_index):
+            if p.grad is not None:
+                grads.append(p.grad)
+                owners.append(li)
+        return grads, owners
+
+    def measure(self, extras: Iterable[torch.Tensor | float | None] = ()) -> Measurement:
+        grads, owners = self.grads()
+        n_layers = len(self.layers)
+        if grads:
+            device = grads[0].device
+            norms = [n if n.device == device else n.to(device, non_blocking=True)
+                     for n in _fused_norms(grads)]
+            key = (device, tuple(owners))
+            index = self._index_cache.get(key)
+            if index is None:
+                if len(self._index_cache) > 8:
+                    self._index_cache.clear()
+                index = torch.tensor(owners, device=device, dtype=torch.long)
+                self._index_cache[key] = index
+            sq = torch.stack(norms).square()
+            layer_sq = torch.zeros(n_layers, device=device, dtype=torch.float32).index_add_(0, index, sq)
+        else:
+            device = torch.device("cpu")
+            layer_sq = torch.zeros(n_layers)
+        extra_list = [e for e in extras]
+        values = [layer_sq]
+        if extra_list:
+            values.append(torch.stack([
+                (e.detach().reshape(()).to(device=device, dtype=torch.float32)
+                 if isinstance(e, torch.Tensor)
+                 else torch.tensor(float("nan") if e is None else float(e), device=device))
+                for e in extra_list
+            ]))
+        host = torch.cat(values).tolist()  # the one host-device sync of the step
+        self.transfers += 1
+        layer_sq_h = host[:n_layers]
+        layer_norms = [v ** 0.5 for v in layer_sq_h]  # inf and nan stay as they are
+        total = sum(layer_sq_h) ** 0.5
+        bad = [self.layers.layer_names[i] for i, v in enumerate(layer_norms) if not math.isfinite(v)]
+        return Measurement(layer_norms=layer_norms, total_norm=total, extras=host[n_layers:],
+                           nonfinite_layers=bad)
+
+    @torch.no_grad()
+    def param_norms(self) -> list[float]:
+        """Per-layer parameter norms (log interval only: one extra sync)."""
+        return self._layer_norms_of(list(self.layers.params))
+
+    @torch.no_grad()
+    def _layer_norms_of(self, tensors: list[torch.Tensor]) -> list[float]:
+        device = tensors[0].device
+        norms = [n.to(device) for n in _fused_norms(tensors)]
+        index = torch.tensor(self.layers.layer_index, device=device)
+        layer_sq = torch.zeros(len(self.layers), device=device).index_add_(0, index, torch.stack(norms).square())
+        self.transfers += 1
+        return [v ** 0.5 for v in layer_sq.tolist()]
+
+    @torch.no_grad()
+    def update_ratios(self, before: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+        """Per-layer ||update|| / ||weight|| given copies of the parameters taken before the step."""
+        params = list(self.layers.params)
+        deltas = torch._foreach_sub([p.detach() for p in params], before)
+        upd = self._layer_norms_of(deltas)
+        wn = self._layer_norms_of([p.detach() for p in params])
+        return [u / w if w > 0 else 0.0 for u, w in zip(upd, wn)], wn

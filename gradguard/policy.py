@@ -1,0 +1,126 @@
+"""Policy: findings -> actions, as an escalation ladder with cooldowns, budgets and recovery."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .config import PolicyConfig
+from .detect import Finding, Signals
+
+__all__ = ["Action", "Decision", "Policy", "INSTABILITY_KINDS", "REPEAT_KINDS"]
+
+#: Findings that count as instability on their own.
+INSTABILITY_KINDS = frozenset({"loss_spike", "overflow_streak", "overflow_rate", "scale_collapse"})
+#: Findings handled step by step (skip, clip) that count as instability once they repeat.
+REPEAT_KINDS = frozenset({"nonfinite_loss", "nonfinite_grad", "grad_spike", "layer_grad_spike"})
+
+
+@dataclass
+class Action:
+    """One change to training (or a halt), with why and with what parameters."""
+
+    name: str
+    step: int
+    reason: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Decision:
+    """What the policy wants done with this step."""
+
+    skip: bool = False
+    skip_reason: str = ""
+    actions: list[Action] = field(default_factory=list)
+    halt: bool = False
+    unstable: bool = False
+
+
+class Policy:
+    """Reads findings, returns a decision. Holds the ladder position and the budgets."""
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.cfg = cfg
+        self.level = 0
+        self.last_escalation: int | None = None
+        self.escalations: deque[int] = deque()
+        self.repeats: deque[int] = deque()
+        self.skip_streak = 0
+        self.healthy = 0
+
+    def _trim(self, dq: deque[int], step: int) -> None:
+        while dq and dq[0] <= step - self.cfg.escalation_window:
+            dq.popleft()
+
+    def decide(self, s: Signals, findings: list[Finding], grad_ratio: float) -> Decision:
+        cfg = self.cfg
+        d = Decision()
+        kinds = {f.kind for f in findings}
+        # 1. this step: skip?
+        if ({"nonfinite_loss", "nonfinite_grad"} & kinds) and cfg.skip_nonfinite:
+            d.skip, d.skip_reason = True, "non-finite " + ("loss" if "nonfinite_loss" in kinds else "gradients")
+        elif s.overflow:
+            d.skip, d.skip_reason = True, f"fp16 overflow (scale {s.scale:g})"
+        elif grad_ratio > cfg.skip_grad_ratio:
+            d.skip, d.skip_reason = True, f"grad norm {grad_ratio:.0f}x its baseline"
+        # 2. instability: escalate one rung unless cooling down
+        self._trim(self.repeats, s.step)
+        self._trim(self.escalations, s.step)
+        unstable = bool(INSTABILITY_KINDS & kinds)
+        if REPEAT_KINDS & kinds:
+            self.repeats.append(s.step)
+            if len(self.repeats) >= cfg.repeats_to_escalate:
+                unstable = True
+                self.repeats.clear()
+        d.unstable = unstable
+        if not cfg.act:
+            d.skip = False
+            d.skip_reason = ""
+            return d
+        self.skip_streak = self.skip_streak + 1 if d.skip else 0
+        if self.skip_streak >= cfg.max_skip_streak:
+            d.halt = True
+            d.actions.append(Action("halt", s.step, f"{self.skip_streak} consecutive skipped steps"))
+            return d
+        if unstable:
+            self.healthy = 0
+            cooling = self.last_escalation is not None and s.step - self.last_escalation <= cfg.cooldown
+            if not cooling:
+                reason = "; ".join(f.message for f in findings if f.kind in INSTABILITY_KINDS | REPEAT_KINDS)
+                rung = cfg.ladder[min(self.level, len(cfg.ladder) - 1)]
+                self.level += 1
+                self.last_escalation = s.step
+                self.escalations.append(s.step)
+                if len(self.escalations) > cfg.max_escalations:
+                    d.halt = True
+                    d.actions.append(Action("halt", s.step,
+                                            f"{len(self.escalations)} escalations within {cfg.escalation_window} steps"))
+                    return d
+                for name in rung:
+                    if name == "halt":
+                        d.halt = True
+                    d.actions.append(Action(name, s.step, reason, {"rung": self.level}))
+        elif not d.skip:
+            self.healthy += 1
+            if self.level > 0 and self.healthy >= cfg.escalation_window:
+                self.level -= 1
+                self.healthy = 0
+        return d
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"level": self.level, "last_escalation": self.last_escalation,
+                "escalations": list(self.escalations), "repeats": list(self.repeats),
+                "skip_streak": self.skip_streak, "healthy": self.healthy}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.level = state["level"]
+        self.last_escalation = state["last_escalation"]
+        self.escalations = deque(state["escalations"])
+        self.repeats = deque(state["repeats"])
+        self.skip_streak = state["skip_streak"]
+        self.healthy = state["healthy"]

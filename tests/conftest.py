@@ -1,0 +1,48 @@
+import os
+
+import pytest
+import torch
+from torch import nn
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+class TinyNet(nn.Module):
+    """Embedding -> 2 blocks -> head, named like a transformer so layer grouping is exercised."""
+
+    def __init__(self, vocab: int = 32, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(2))
+        self.norm = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            h = h + b(h)
+        logits = self.lm_head(self.norm(h))
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+def make_batch(gen: torch.Generator, bs: int = 8, t: int = 6, vocab: int = 32):
+    x = torch.randint(0, vocab, (bs, t), generator=gen)
+    return x, (x + 1) % vocab
+
+
+@pytest.fixture
+def tiny():
+    torch.manual_seed(0)
+    return TinyNet()
+
+
+@pytest.fixture
+def quiet_cfg(tmp_path):
+    import gradguard as gg
+
+    def make(preset: str = "default", **over):
+        over.setdefault("output", {})
+        over["output"] = {"dir": str(tmp_path), "console": False, **over["output"]}
+        return gg.GuardConfig.preset(preset, **over)
+
+    return make
