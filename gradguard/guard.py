@@ -93,7 +93,7 @@ class GuardCore:
     def __init__(self, model: nn.Module, optimizer: Any, *, config: GuardConfig | None = None,
                  sinks: list[Sink] | None = None, out_dir: str | None = None,
                  layer_fn: Callable[[str], str] | None = None, scheduler: Any = None,
-                 scaler: Any = None) -> None:
+                 scaler: Any = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         if config is None:
             config = GuardConfig()
         if not isinstance(config, GuardConfig):
@@ -104,6 +104,7 @@ class GuardCore:
                             "Fix: pass the module whose parameters the optimizer trains")
         self.config = config
         self.model = model
+        self.reduce = reduce  # cross-rank combination of the step's packed measurements (DDP)
         self.optimizer = unwrap_optimizer(optimizer)
         self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern)
         self._check_optimizer_covers_model()
@@ -183,7 +184,7 @@ class GuardCore:
             self._take_snapshot(self.step_count)  # the initial weights, before any update
         loss_v = self._take_loss(loss)
         scale_t, found_t = _scaler_state(scaler, self.optimizer)
-        meas = self.measurer.measure([loss_v, scale_t, found_t])
+        meas = self.measurer.measure([loss_v, scale_t, found_t], reduce=self.reduce)
         loss_f, scale_f, found_f = meas.extras
         scale = None if scale_t is None else scale_f
         overflow = bool(found_t is not None and found_f > 0)
@@ -284,7 +285,15 @@ class GuardCore:
                                restore_rng=self.config.recovery.restore_rng)
         self.lr.reapply_after_restore()
         self.lr.rewarm()
-        return {"to_step": snap.step, "confirmed": snap.confirmed, "steps_lost": a.step - 1 - snap.step}
+        out: dict[str, Any] = {"to_step": snap.step, "confirmed": snap.confirmed,
+                               "steps_lost": a.step - 1 - snap.step}
+        n_skip = self.config.recovery.skip_batches
+        if n_skip and "skip_data" in self.actuators:
+            skip = Action("skip_data", a.step, f"after rollback to step {snap.step}", {"batches": n_skip})
+            skip.params.update(self.actuators["skip_data"](skip) or {})
+            self._record(skip)
+            out["skipped_batches"] = n_skip
+        return out
 
     def _execute(self, a: Action) -> None:
         if a.name == "lower_lr":

@@ -127,7 +127,11 @@ class GradMeasurer:
                 owners.append(li)
         return grads, owners
 
-    def measure(self, extras: Iterable[torch.Tensor | float | None] = ()) -> Measurement:
+    def measure(self, extras: Iterable[torch.Tensor | float | None] = (),
+                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Measurement:
+        """Squared per-layer norms and the extras are packed into one tensor; ``reduce`` (e.g. a
+        DDP all-reduce mean) may combine it across ranks before the single host transfer, so every
+        rank sees the same values and takes the same decisions."""
         grads, owners = self.grads()
         n_layers = len(self.layers)
         if grads:
@@ -155,7 +159,10 @@ class GradMeasurer:
                  else torch.tensor(float("nan") if e is None else float(e), device=device))
                 for e in extra_list
             ]))
-        host = torch.cat(values).tolist()  # the one host-device sync of the step
+        packed = torch.cat(values)
+        if reduce is not None:
+            packed = reduce(packed)
+        host = packed.tolist()  # the one host-device sync of the step
         self.transfers += 1
         layer_sq_h = host[:n_layers]
         layer_norms = [v ** 0.5 for v in layer_sq_h]  # inf and nan stay as they are
