@@ -20,14 +20,12 @@ __all__ = ["unwrap_optimizer", "drop_grads", "ClipController", "LRMultiplier", "
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer under engine wrappers (accelerate's AcceleratedOptimizer, Lightning's
     LightningOptimizer...)."""
-    seen = 0
     opt = optimizer
-    while not isinstance(opt, torch.optim.Optimizer) and seen < 8:
+    for _ in range(8):  # wrappers may themselves subclass Optimizer (accelerate's AcceleratedOptimizer)
         inner = getattr(opt, "optimizer", None) or getattr(opt, "_optimizer", None)
-        if inner is None:
+        if inner is None or inner is opt or not (isinstance(inner, torch.optim.Optimizer) or hasattr(inner, "optimizer")):
             break
         opt = inner
-        seen += 1
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"gradguard: optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer "
                         "(nor wraps one). Fix: pass the torch optimizer the training loop steps")
@@ -55,11 +53,23 @@ class ClipController:
         self.var = 0.0
         self.count = 0
         self.clipped = 0
+        self.temp_norm: float | None = None
+        self.temp_left = 0
+
+    def hold(self, max_norm: float, steps: int) -> None:
+        """Clip at most at ``max_norm`` for the next ``steps`` steps (e.g. after the batch grows)."""
+        self.temp_norm, self.temp_left = max_norm, steps
 
     def threshold(self, total_norm: float) -> float | None:
         """The norm this step is clipped to, or None for no clipping."""
         if self.cfg.mode == "off":
             return None
+        if self.temp_left > 0 and self.temp_norm is not None:
+            self.temp_left -= 1
+            return min(self.temp_norm, self._threshold(total_norm))
+        return self._threshold(total_norm)
+
+    def _threshold(self, total_norm: float) -> float:
         if self.cfg.mode == "fixed":
             return self.max_norm
         # adaptive: z-score over an EMA of the norm; the fixed max_norm stays a hard ceiling
@@ -120,7 +130,8 @@ class ClipController:
 
     def state_dict(self) -> dict[str, Any]:
         return {"max_norm": self.max_norm, "healthy": self.healthy, "mean": self.mean, "var": self.var,
-                "count": self.count, "clipped": self.clipped}
+                "count": self.count, "clipped": self.clipped, "temp_norm": self.temp_norm,
+                "temp_left": self.temp_left}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
@@ -148,6 +159,8 @@ class LRMultiplier:
         self.healthy = 0
         self.ceiling_healthy = 0
         self.warm_left = 0
+        self.batch_scale = 1.0  # linear-scaling factor while the global batch is shrunk
+        self._active = False
         self._saved_lrs: list[Any] | None = None
         self._saved_params: tuple[list[torch.Tensor], list[torch.Tensor], list[float]] | None = None
         self._handles = [
@@ -163,6 +176,10 @@ class LRMultiplier:
     # -- hooks -----------------------------------------------------------------------------
     def current(self) -> float:
         """The global multiplier in force for the next step (re-warm-up ramp included)."""
+        return self.level() * self.batch_scale
+
+    def level(self) -> float:
+        """The policy's multiplier in force (re-warm-up ramp included, batch scaling excluded)."""
         if self.warm_left > 0:
             total = self.cfg.rewarm_steps
             return self.global_mult * (total - self.warm_left + 1) / (total + 1)
@@ -173,6 +190,10 @@ class LRMultiplier:
         self.warm_left = self.cfg.rewarm_steps
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # a step whose gradients were all dropped (a skip) changes nothing and does not count
+        self._active = any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+        if not self._active:
+            return
         mult = self.current()
         if mult != 1.0:
             self._saved_lrs = [g["lr"] for g in optimizer.param_groups]
@@ -191,6 +212,8 @@ class LRMultiplier:
 
     @torch.no_grad()
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._active:
+            return
         if self.warm_left > 0:
             self.warm_left -= 1
         if self._saved_lrs is not None:
@@ -202,6 +225,19 @@ class LRMultiplier:
             for p, c, w in zip(params, copies, weights):
                 p.lerp_(c, w)  # p_new + (1-m)(p_old - p_new) = p_old + m * update
             self._saved_params = None
+
+    def suspend(self) -> None:
+        """Undo the pre-hook of a step already in progress (engines that decide inside
+        ``optimizer.step()``, e.g. Lightning's closure): the scheduler's LRs are back in place."""
+        if self._saved_lrs is not None:
+            for g, lr in zip(self.optimizer.param_groups, self._saved_lrs):
+                g["lr"] = lr
+        self._saved_lrs = None
+        self._saved_params = None
+
+    def rearm(self) -> None:
+        """Apply the pre-hook again, with the multipliers as decided now (after ``suspend``)."""
+        self._pre_hook(self.optimizer, (), {})
 
     def reapply_after_restore(self) -> None:
         """Drop any half-applied step state after a rollback restored the optimizer."""
@@ -216,7 +252,7 @@ class LRMultiplier:
         """Multiply the global multiplier by ``factor`` (default down_factor), starting from the
         multiplier that failed (``failed_at``, default the one in force: during a re-warm-up ramp
         that is the ramp's value). The failed level caps later recovery."""
-        old = self.current() if failed_at is None else failed_at
+        old = self.level() if failed_at is None else failed_at
         self.global_ceiling = min(self.global_ceiling, old * self.cfg.recover_ceiling)
         self.global_mult = max(self.cfg.min_multiplier, old * (factor or self.cfg.down_factor))
         self.healthy = 0
@@ -236,7 +272,7 @@ class LRMultiplier:
     def mark_unstable(self, failed_at: float | None = None) -> None:
         """An instability happened at ``failed_at`` (default: the multiplier in force): recovery
         stays below it."""
-        level = self.current() if failed_at is None else failed_at
+        level = self.level() if failed_at is None else failed_at
         self.global_ceiling = min(self.global_ceiling, level * self.cfg.recover_ceiling)
         self.healthy = 0
         self.ceiling_healthy = 0
@@ -270,11 +306,13 @@ class LRMultiplier:
     def state_dict(self) -> dict[str, Any]:
         return {"global_mult": self.global_mult, "global_ceiling": self.global_ceiling,
                 "layer_mult": dict(self.layer_mult), "layer_ceiling": dict(self.layer_ceiling),
-                "healthy": self.healthy, "ceiling_healthy": self.ceiling_healthy, "warm_left": self.warm_left}
+                "healthy": self.healthy, "ceiling_healthy": self.ceiling_healthy, "warm_left": self.warm_left,
+                "batch_scale": self.batch_scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ceiling_healthy = state["ceiling_healthy"]
         self.warm_left = state["warm_left"]
+        self.batch_scale = state["batch_scale"]
         self.global_mult = state["global_mult"]
         self.global_ceiling = state["global_ceiling"]
         self.layer_mult = dict(state["layer_mult"])

@@ -311,7 +311,8 @@ class RecoveryConfig:
     """Healthy steps after a snapshot before it becomes restorable."""
 
     skip_batches: int = 0
-    """Batches skipped after a rollback (needs a skippable loader, see gradguard.data)."""
+    """Steps' worth of batches skipped after a rollback, as PaLM did (needs a batch controller,
+    ``Guard(batches=gradguard.data.BatchController(...))``, or an adapter that can skip)."""
 
     restore_schedule: bool = False
     """False: the LR schedule keeps its current position after a rollback; True: it is restored too."""
@@ -321,13 +322,33 @@ class RecoveryConfig:
     random stream (dropout masks, and data shuffles drawn from the global RNG)."""
 
     disk_dir: str | None = None
-    """If set, snapshots are also written there (atomic, checksummed); None keeps them in memory."""
+    """If set, snapshots go to this folder instead of host memory (atomic write, sha256 checksum,
+    ``torch.load(weights_only=True)``; an unreadable one falls back to the next older)."""
+
+    shrink_mode: str = "global"
+    """What 'shrink_batch' halves: 'global' (the optimizer-step batch, LR scaled linearly, the
+    user's 128 -> 64) or 'micro' (the micro-batch, accumulation doubled, global batch kept).
+    Needs a batch controller (``Guard(batches=...)``) or an adapter that can resize."""
+
+    grow_after: int = 200
+    """Healthy steps after which a shrunk global batch doubles back towards its original size."""
+
+    grow_clip: float = 0.1
+    """max_grad_norm held for ``grow_clip_steps`` after the batch grows back (the user's recipe:
+    back to 128 with max_grad_norm 0.1 for a while, then normal)."""
+
+    grow_clip_steps: int = 100
+    """Steps the tight clip is held after the batch grows back."""
 
     def __post_init__(self) -> None:
         _positive(self, "snapshot_interval", allow_zero=True, integer=True)
         _positive(self, "ring_size", integer=True)
         _positive(self, "confirm_steps", integer=True)
         _positive(self, "skip_batches", allow_zero=True, integer=True)
+        _choice(self, "shrink_mode", ("global", "micro"))
+        _positive(self, "grow_after", integer=True)
+        _positive(self, "grow_clip")
+        _positive(self, "grow_clip_steps", integer=True, allow_zero=True)
 
 
 @dataclass(kw_only=True)
@@ -351,12 +372,17 @@ class PolicyConfig:
             ["rollback", "lower_lr", "tighten_clip"],
             ["rollback", "adam", "lower_lr"],
             ["rollback", "lower_lr", "lower_layer_lr"],
-            ["rollback", "lower_lr", "tighten_clip"],
+            ["rollback", "shrink_batch", "lower_lr", "tighten_clip"],
             ["rollback", "lower_lr"],
         ]
     )
     """Rungs climbed one per escalation; the last rung repeats. 'rollback' restores the newest healthy
     snapshot and skips the step (without a snapshot it only skips the step). Actions: """ + ", ".join(RUNG_ACTIONS)
+
+    spike_confirm_window: int = 5
+    """A loss spike with no other spike in the previous this-many steps is only skipped (it may be
+    one bad batch); a repeated spike escalates the ladder. A spike on weights just restored from a
+    healthy snapshot is blamed on the data: skipped, never escalated."""
 
     cooldown: int = 5
     """Steps after an escalation during which new findings do not escalate again (a rollback ends
@@ -390,7 +416,7 @@ class PolicyConfig:
                     _fail(f"{self._path}.ladder[{i}]", action, "is not a known action",
                           f"use actions from {list(RUNG_ACTIONS)}")
         self.ladder = [list(r) for r in self.ladder]
-        for name in ("cooldown", "repeats_to_escalate", "escalation_window",
+        for name in ("spike_confirm_window", "cooldown", "repeats_to_escalate", "escalation_window",
                      "max_escalations", "max_skip_streak"):
             _positive(self, name, integer=True, allow_zero=(name == "cooldown"))
 

@@ -47,10 +47,11 @@ class Finding:
 
 
 class RobustBaseline:
-    """EMA of a series and of its absolute deviation (a robust spread: sigma ~ 1.25 * MAD).
+    """EMA of a series (the baseline) and a robust spread from its step-to-step changes:
+    sigma ~ 1.25 * EMA(|x_t - x_{t-1}|) / sqrt(2), which a downward training trend does not inflate.
 
-    Spikes enter clipped to the threshold, so one outlier neither hides the next one nor stalls
-    adaptation to a genuine level shift.
+    Spikes enter clipped to the threshold and move only the mean, so one outlier neither hides
+    the next one nor widens the threshold, and a genuine level shift is still absorbed slowly.
     """
 
     def __init__(self, alpha: float, min_rel_spread: float) -> None:
@@ -58,6 +59,7 @@ class RobustBaseline:
         self.min_rel_spread = min_rel_spread
         self.mean: float | None = None
         self.dev = 0.0
+        self.prev: float | None = None
         self.count = 0
 
     def sigma(self) -> float:
@@ -68,25 +70,30 @@ class RobustBaseline:
         assert self.mean is not None
         return max(self.mean + n_sigma * self.sigma(), ratio * self.mean)
 
-    def update(self, x: float) -> None:
+    def update(self, x: float, spike: bool = False) -> None:
+        """Add a value. A spike (passed clipped to its threshold) moves only the mean, so a long
+        level shift is absorbed slowly while the spread, and with it the threshold, stays put."""
         if not math.isfinite(x):
             return
         self.count += 1
         if self.mean is None:
-            self.mean = x
+            self.mean = self.prev = x
             self.dev = 0.0
             return
         # fast start: a plain average over the first 1/alpha values, then the EMA
         a = max(self.alpha, 1.0 / self.count)
-        d = abs(x - self.mean)
         self.mean += a * (x - self.mean)
-        self.dev += a * (d - self.dev)
+        if not spike:
+            d = abs(x - (self.prev if self.prev is not None else x)) / math.sqrt(2.0)
+            b = max(self.alpha, 1.0 / max(1, self.count - 1))
+            self.dev += b * (d - self.dev)
+            self.prev = x
 
     def state_dict(self) -> dict[str, Any]:
-        return {"mean": self.mean, "dev": self.dev, "count": self.count}
+        return {"mean": self.mean, "dev": self.dev, "prev": self.prev, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.mean, self.dev, self.count = state["mean"], state["dev"], state["count"]
+        self.mean, self.dev, self.prev, self.count = state["mean"], state["dev"], state["prev"], state["count"]
 
 
 class NonFiniteDetector:
@@ -138,7 +145,7 @@ class LossSpikeDetector:
                 sev = CRITICAL if x > 2 * thr else WARNING
                 finding = Finding("loss_spike", sev, s.step, value=x, threshold=thr, baseline=self.base.mean,
                                   message=f"loss {x:.4g} > {thr:.4g} (baseline {self.base.mean:.4g})")
-                self.base.update(thr)
+                self.base.update(thr, spike=True)
         elif self.min_loss is not None and x > cfg.early_loss_ratio * self.min_loss > 0:
             thr = cfg.early_loss_ratio * self.min_loss
             finding = Finding("loss_spike", CRITICAL if x > 2 * thr else WARNING, s.step, value=x,
@@ -189,7 +196,7 @@ class GradSpikeDetector:
                 thr = b.threshold(cfg.layer_grad_sigma, cfg.layer_grad_ratio)
                 if v > thr:
                     culprits.append(name)
-                    b.update(thr)
+                    b.update(thr, spike=True)
                     continue
             b.update(v)
         if armed:
@@ -200,7 +207,7 @@ class GradSpikeDetector:
                                    baseline=self.total.mean, layers=culprits,
                                    message=f"grad norm {s.total_norm:.4g} > {thr:.4g} "
                                            f"(baseline {self.total.mean:.4g})"))
-                self.total.update(thr)
+                self.total.update(thr, spike=True)
                 return out
         if culprits:
             out.append(Finding("layer_grad_spike", WARNING, s.step, layers=culprits,

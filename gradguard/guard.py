@@ -67,6 +67,7 @@ class StepReport:
     actions: list[Action] = field(default_factory=list)
     halt: bool = False
     diagnosis: dict[str, Any] | None = None
+    healthy: bool = False
 
     @property
     def skipped(self) -> bool:
@@ -115,11 +116,13 @@ class GuardCore:
         self.lr = LRMultiplier(config.lr, self.optimizer, self.layers)
         self.adam = AdamTuner(config.adam, self.optimizer)
         self.actuators: dict[str, Callable[[Action], dict[str, Any]]] = {}
+        self.healthy_hooks: list[Callable[[int], Action | None]] = []
         self.snapshots: SnapshotRing | None = None
         rc = config.recovery
         if rc.snapshot_interval > 0 and config.policy.act:
             self.snapshots = SnapshotRing(model, self.optimizer, ring_size=rc.ring_size,
-                                          confirm_steps=rc.confirm_steps, scheduler=scheduler, scaler=scaler)
+                                          confirm_steps=rc.confirm_steps, scheduler=scheduler, scaler=scaler,
+                                          disk_dir=rc.disk_dir)
             self.snapshots.register("gradguard_detectors", self.detectors.state_dict,
                                     self.detectors.load_state_dict)
             self.register_actuator("rollback", self._rollback)
@@ -133,6 +136,9 @@ class GuardCore:
         self._loss_sum: torch.Tensor | float | None = None
         self._loss_n = 0
         self._before_params: list[torch.Tensor] | None = None
+        self._verified = False  # no update applied since the weights were restored from a snapshot
+        self._undo: tuple[dict[str, Any], float] | None = None  # LR/clip before the last rollback rung
+        self._extra_actions: list[Action] = []
         self._last: StepReport | None = None
         self.sinks: list[Sink] = list(sinks or [])
         self.out_dir = out_dir if out_dir is not None else config.output.dir
@@ -180,8 +186,8 @@ class GuardCore:
         ``optimizer.step()`` anyway)."""
         cfg = self.config
         step = self.step_count + 1
-        if self.snapshots is not None and self.snapshots.taken == 0:
-            self._take_snapshot(self.step_count)  # the initial weights, before any update
+        if self.snapshots is not None and not (self.snapshots.ring or self.snapshots.candidates):
+            self.take_snapshot(self.step_count)  # the initial (or resumed) weights, before any update
         loss_v = self._take_loss(loss)
         scale_t, found_t = _scaler_state(scaler, self.optimizer)
         meas = self.measurer.measure([loss_v, scale_t, found_t], reduce=self.reduce)
@@ -194,7 +200,7 @@ class GuardCore:
                       overflow=overflow)
         grad_ratio = self.detectors.grad.ratio(meas.total_norm)
         findings = self.detectors.observe(sig)
-        decision = self.policy.decide(sig, findings, grad_ratio)
+        decision = self.policy.decide(sig, findings, grad_ratio, weights_verified=self._verified)
         report = StepReport(step=step, applied=not decision.skip, skip_reason=decision.skip_reason,
                             loss=sig.loss, total_norm=meas.total_norm, layer_norms=layer_norms,
                             scale=scale, overflow=overflow, findings=findings)
@@ -213,12 +219,25 @@ class GuardCore:
             self.recent_findings.append(fd)
             self._emit(fd)
         if self.snapshots is not None:
-            healthy = not decision.unstable and sig.loss is not None and math.isfinite(sig.loss)
+            healthy = not (decision.unstable or decision.suspect) and sig.loss is not None and math.isfinite(sig.loss)
             self.snapshots.observe(step, healthy and not decision.skip)
-        self._failed_mult = self.lr.current()  # the level this step's instability happened at
+        self._failed_mult = self.lr.level()  # the level this step's instability happened at
+        if any(a.name == "rollback" for a in decision.actions):
+            # if the restored weights then meet bad data, this escalation was the data's fault
+            self._undo = (self.lr.state_dict(), self.clip.max_norm)
+        elif decision.data_verdict and self._undo is not None:
+            lr_state, max_norm = self._undo
+            self._undo = None
+            self.lr.load_state_dict({**lr_state, "warm_left": self.lr.warm_left})
+            self.clip.max_norm = max_norm
+            report.actions.append(self._record(Action(
+                "revert_lr", step, "spike on restored, verified weights: the data was bad, not the LR",
+                {"lr_multiplier": self.lr.global_mult, "max_grad_norm": max_norm})))
         for a in decision.actions:
+            self._extra_actions = []
             self._execute(a)
             report.actions.append(a)
+            report.actions.extend(self._extra_actions)
             if a.name == "rollback":
                 report.applied = False  # the gradients came from the discarded weights
                 report.skip_reason = report.skip_reason or (
@@ -226,6 +245,7 @@ class GuardCore:
                 decision.skip = True
                 if "to_step" in a.params:
                     self.policy.last_escalation = None  # restored weights: no cooldown
+                    self._verified = True
         if decision.unstable:
             self.lr.mark_unstable(self._failed_mult)
             self.clip.reset_healthy()
@@ -237,6 +257,7 @@ class GuardCore:
             recovered = self.lr.tick_healthy()
             if recovered:
                 report.actions.append(self._record(Action("recover_lr", step, "stable period", recovered)))
+            report.healthy = not decision.suspect
         if decision.skip:
             self.skipped_steps += 1
             if drop_on_skip:
@@ -255,14 +276,40 @@ class GuardCore:
         self._last = report
         return report
 
+    @property
+    def last_report(self) -> StepReport | None:
+        """The report of the latest ``before_step``."""
+        return self._last
+
+    def emit(self, event: dict[str, Any]) -> None:
+        """Send an event to every sink (adapters' own events: saves, resizes...)."""
+        self._emit(event)
+
+    def discard_loss(self) -> None:
+        """Forget the micro-batch losses observed since the last step."""
+        self._take_loss(None)
+
+    def discard_step(self) -> None:
+        """Count an optimizer step whose data was discarded without calling ``before_step``
+        (e.g. an engine that cannot skip a batch before computing it)."""
+        self.step_count += 1
+        self.skipped_steps += 1
+
     def after_step(self, report: StepReport) -> None:
         """Call after the optimizer stepped (or not): counters, log-interval metrics."""
         self.step_count = report.step
         if report.applied:
             self.applied_steps += 1
+            self._verified = False
+            self._undo = None
+            if report.healthy:  # changes that must wait for the next step's data (batch growth)
+                for hook in self.healthy_hooks:
+                    moved = hook(report.step)
+                    if moved is not None:
+                        report.actions.append(self._record(moved))
             interval = self.config.recovery.snapshot_interval
             if self.snapshots is not None and self.applied_steps % interval == 0:
-                self._take_snapshot(report.step)
+                self.take_snapshot(report.step)
         if report.step % self.config.output.metrics_interval == 0 or report.findings or report.actions:
             self._emit_metrics(report)
 
@@ -271,7 +318,8 @@ class GuardCore:
         """Plug an action in (rollback, shrink_batch...): ``fn(action)`` acts and returns its params."""
         self.actuators[name] = fn
 
-    def _take_snapshot(self, step: int) -> None:
+    def take_snapshot(self, step: int) -> None:
+        """Snapshot the training state now (as after update ``step``)."""
         assert self.snapshots is not None
         snap = self.snapshots.take(step)
         self._emit({"type": "snapshot", "step": step, "bytes": snap.nbytes, "seconds": snap.seconds})
@@ -281,8 +329,13 @@ class GuardCore:
         snap = self.snapshots.best()
         if snap is None:
             return {"unavailable": "no healthy snapshot yet: step skipped instead"}
-        self.snapshots.restore(snap, restore_schedule=self.config.recovery.restore_schedule,
-                               restore_rng=self.config.recovery.restore_rng)
+        wanted = snap.step
+        snap = self.snapshots.restore(snap, restore_schedule=self.config.recovery.restore_schedule,
+                                      restore_rng=self.config.recovery.restore_rng)
+        if snap.step != wanted or self.snapshots.problems:
+            self._emit({"type": "snapshot_fallback", "step": a.step, "wanted": wanted, "restored": snap.step,
+                        "problems": list(self.snapshots.problems)})
+            self.snapshots.problems.clear()
         self.lr.reapply_after_restore()
         self.lr.rewarm()
         out: dict[str, Any] = {"to_step": snap.step, "confirmed": snap.confirmed,
@@ -292,6 +345,7 @@ class GuardCore:
             skip = Action("skip_data", a.step, f"after rollback to step {snap.step}", {"batches": n_skip})
             skip.params.update(self.actuators["skip_data"](skip) or {})
             self._record(skip)
+            self._extra_actions.append(skip)
             out["skipped_batches"] = n_skip
         return out
 
@@ -396,7 +450,7 @@ class GuardCore:
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION, "step_count": self.step_count, "applied_steps": self.applied_steps,
-            "skipped_steps": self.skipped_steps, "n_findings": self.n_findings,
+            "skipped_steps": self.skipped_steps, "n_findings": self.n_findings, "verified": self._verified,
             "action_counts": dict(self.action_counts), "culprits": dict(self.culprits),
             "detectors": self.detectors.state_dict(), "policy": self.policy.state_dict(),
             "clip": self.clip.state_dict(), "lr": self.lr.state_dict(), "adam": self.adam.state_dict(),
@@ -410,6 +464,7 @@ class GuardCore:
         self.step_count = state["step_count"]
         self.applied_steps = state["applied_steps"]
         self.skipped_steps = state["skipped_steps"]
+        self._verified = state["verified"]
         self.n_findings = state["n_findings"]
         self.action_counts = Counter(state["action_counts"])
         self.culprits = Counter(state["culprits"])
@@ -438,7 +493,8 @@ class Guard(GuardCore):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
                  scaler: Any = None, config: GuardConfig | None = None, sinks: list[Sink] | None = None,
-                 out_dir: str | None = None, layer_fn: Callable[[str], str] | None = None) -> None:
+                 out_dir: str | None = None, layer_fn: Callable[[str], str] | None = None,
+                 batches: Any = None) -> None:
         super().__init__(model, optimizer, config=config, sinks=sinks, out_dir=out_dir, layer_fn=layer_fn,
                          scheduler=scheduler, scaler=scaler)
         self.user_optimizer = optimizer
@@ -446,6 +502,88 @@ class Guard(GuardCore):
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
         self._step_scheduler = scheduler is not None and not isinstance(scheduler, plateau)
+        self.batches = batches
+        self._grow_healthy = 0
+        if batches is not None:
+            self.register_actuator("skip_data", self._skip_data)
+            self.register_actuator("shrink_batch", self._shrink_batch)
+            self.healthy_hooks.append(self._maybe_grow)
+            # after a rollback the data position keeps moving forward: the controller is not rewound
+
+    # -- batch controller actuators ----------------------------------------------------------
+    def _skip_data(self, a: Action) -> dict[str, Any]:
+        assert self.batches is not None
+        preceding = [list(b) for b in self.batches.recent]
+        skipped = self.batches.skip(int(a.params.get("batches", 0)))
+        return {"skipped_indices": skipped, "preceding_indices": preceding}
+
+    def _shrink_batch(self, a: Action) -> dict[str, Any]:
+        assert self.batches is not None
+        if self.config.recovery.shrink_mode == "micro":
+            moved = self.batches.shrink_micro()
+            if moved is None:
+                return {"unavailable": "micro-batch is already 1"}
+            return {"micro_batch": list(moved), "accumulation": self.batches.accumulation_steps}
+        moved = self.batches.shrink_global()
+        if moved is None:
+            return {"unavailable": f"batch is already at min_batch_size={self.batches.min_batch_size}"}
+        self.lr.batch_scale = self.batches.batch_size / self.batches.base_batch_size  # linear scaling
+        self._grow_healthy = 0
+        return {"batch": list(moved), "lr_scale": self.lr.batch_scale}
+
+    def _maybe_grow(self, step: int) -> Action | None:
+        assert self.batches is not None
+        if self.batches.batch_size >= self.batches.base_batch_size:
+            return None
+        self._grow_healthy += 1
+        if self._grow_healthy < self.config.recovery.grow_after:
+            return None
+        self._grow_healthy = 0
+        moved = self.batches.grow_global()
+        if moved is None:
+            return None
+        self.lr.batch_scale = self.batches.batch_size / self.batches.base_batch_size
+        rc = self.config.recovery
+        self.clip.hold(rc.grow_clip, rc.grow_clip_steps)
+        return Action("grow_batch", step, "stable period",
+                      {"batch": list(moved), "lr_scale": self.lr.batch_scale,
+                       "clip_held": rc.grow_clip, "for_steps": rc.grow_clip_steps})
+
+    def accumulate(self, batch: Any, loss_fn: Callable[[Any], torch.Tensor]) -> float:
+        """Forward and backward over one step's samples (a ``StepBatch`` from the batch controller)
+        in micro-batches, each loss weighted by its share of the step. On an out-of-memory error the
+        partial gradients are dropped, the micro-batch is halved (the global batch is kept through
+        more accumulation) and the same samples are tried again. Returns the step's mean loss;
+        follow with ``guard.step()``."""
+        if self.batches is None:
+            raise ValueError("gradguard: Guard.accumulate needs a batch controller. Fix: "
+                             "Guard(..., batches=gradguard.data.BatchController(dataset, batch_size))")
+        total = len(batch)
+        while True:
+            acc: torch.Tensor | None = None
+            try:
+                for mb, n in batch.micro_batches(self.batches.micro_batch_size):
+                    loss = loss_fn(mb)
+                    weighted = loss * (n / total)
+                    (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+                    acc = weighted.detach() if acc is None else acc + weighted.detach()
+                    del loss, weighted
+                break
+            except torch.OutOfMemoryError as exc:
+                acc = None
+                drop_grads(list(self.model.parameters()))  # partial gradients of the failed attempt
+                import gc
+
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                moved = self.batches.shrink_micro()
+                if moved is None:
+                    raise
+                self._record(Action("oom_shrink_micro", self.step_count + 1, f"out of memory: {str(exc)[:120]}",
+                                    {"micro_batch": list(moved), "accumulation": self.batches.accumulation_steps}))
+        self._loss_sum, self._loss_n = acc, 1
+        return float("nan") if acc is None else float(acc)
 
     def step(self, loss: torch.Tensor | float | None = None) -> StepReport:
         opt = self.user_optimizer
@@ -468,7 +606,17 @@ class Guard(GuardCore):
         return report
 
     def state_dict(self) -> dict[str, Any]:
-        return super().state_dict()
+        state = super().state_dict()
+        if self.batches is not None:
+            state["batches"] = self.batches.state_dict()
+            state["grow_healthy"] = self._grow_healthy
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.batches is not None and "batches" in state:
+            self.batches.load_state_dict(state["batches"])
+            self._grow_healthy = state["grow_healthy"]
 
     def __enter__(self) -> Guard:
         return self

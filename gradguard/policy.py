@@ -39,6 +39,8 @@ class Decision:
     actions: list[Action] = field(default_factory=list)
     halt: bool = False
     unstable: bool = False
+    suspect: bool = False  # a spike handled by a skip: not healthy, not (yet) an instability
+    data_verdict: bool = False  # a spike on verified (just restored) weights: the data is bad
 
 
 class Policy:
@@ -52,15 +54,32 @@ class Policy:
         self.repeats: deque[int] = deque()
         self.skip_streak = 0
         self.healthy = 0
+        self.last_spike: int | None = None
 
     def _trim(self, dq: deque[int], step: int) -> None:
         while dq and dq[0] <= step - self.cfg.escalation_window:
             dq.popleft()
 
-    def decide(self, s: Signals, findings: list[Finding], grad_ratio: float) -> Decision:
+    def decide(self, s: Signals, findings: list[Finding], grad_ratio: float,
+               weights_verified: bool = False) -> Decision:
+        """``weights_verified``: no update was applied since the weights were restored from a
+        healthy snapshot, so a spike now is blamed on the data (the step is skipped, no escalation)."""
         cfg = self.cfg
         d = Decision()
         kinds = {f.kind for f in findings}
+        spike = "loss_spike" in kinds
+        if weights_verified and (spike or REPEAT_KINDS & kinds):
+            # nothing was applied since the restore: these weights are known good, the batch is not
+            kinds -= {"loss_spike"} | REPEAT_KINDS
+            d.data_verdict = True
+            d.skip, d.skip_reason = True, "spike on verified weights: bad data"
+        elif spike and (self.last_spike is None or s.step - self.last_spike > cfg.spike_confirm_window):
+            # an isolated spike may be one bad batch: skip it; a second one soon after escalates
+            kinds.discard("loss_spike")
+            self.last_spike = s.step
+            d.skip, d.skip_reason = True, "loss spike (skipped; escalates if it repeats)"
+        elif spike:
+            self.last_spike = s.step
         # 1. this step: skip?
         if ({"nonfinite_loss", "nonfinite_grad"} & kinds) and cfg.skip_nonfinite:
             d.skip, d.skip_reason = True, "non-finite " + ("loss" if "nonfinite_loss" in kinds else "gradients")
@@ -78,6 +97,7 @@ class Policy:
                 unstable = True
                 self.repeats.clear()
         d.unstable = unstable
+        d.suspect = spike and not unstable
         if not cfg.act:
             d.skip = False
             d.skip_reason = ""
@@ -115,7 +135,7 @@ class Policy:
     def state_dict(self) -> dict[str, Any]:
         return {"level": self.level, "last_escalation": self.last_escalation,
                 "escalations": list(self.escalations), "repeats": list(self.repeats),
-                "skip_streak": self.skip_streak, "healthy": self.healthy}
+                "skip_streak": self.skip_streak, "healthy": self.healthy, "last_spike": self.last_spike}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.level = state["level"]
@@ -124,3 +144,4 @@ class Policy:
         self.repeats = deque(state["repeats"])
         self.skip_streak = state["skip_streak"]
         self.healthy = state["healthy"]
+        self.last_spike = state["last_spike"]

@@ -25,6 +25,7 @@ class M:
     SCALE = "gradguard/loss_scale"
     OVERFLOW = "gradguard/overflow"
     SKIPPED = "gradguard/skipped_steps"
+    NONFINITE_LOSS_STEPS = "gradguard/nonfinite_loss_steps"
     FINDINGS = "gradguard/findings"
     ACTION = "gradguard/action"  # + /<name>: cumulative count
     LEVEL = "gradguard/ladder_level"

@@ -1,0 +1,99 @@
+"""The benchmark harness on a tiny configuration: structure and fields, not numbers."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import common  # noqa: E402
+import overhead  # noqa: E402
+import rescue  # noqa: E402
+
+
+@pytest.fixture
+def tiny_scenarios(monkeypatch):
+    """Every scenario shrunk to 10 steps of a width-16 model."""
+    orig = common.scenarios
+
+    def small(quick: bool = False):
+        out = {}
+        for name, sc in orig(True).items():
+            out[name] = common.replace(sc, steps=10, batch=4, width=16, warmup=2 if sc.warmup else 0,
+                                       fault_start=5 if sc.fault else 0, fault_len=min(sc.fault_len, 2))
+        return out
+
+    monkeypatch.setattr(rescue, "scenarios", small)
+    return small
+
+
+def test_rescue_harness_structure(tiny_scenarios, tmp_path):
+    doc = rescue.run_suite(models=["gpt"], scenario_names=["nan"], arms=["unguarded", "gradguard_default"],
+                           seeds=[0], say=lambda *a: None)
+    assert len(doc["runs"]) == 2 and len(doc["oracle_runs"]) == 1
+    for r in doc["runs"]:
+        for key in ("model", "scenario", "arm", "seed", "eval_loss", "finite", "oracle_loss", "gap", "diverged",
+                    "rescued", "skipped", "steps_lost", "time_lost_s", "alarms", "stopped_at", "seconds", "losses"):
+            assert key in r, key
+        assert len(r["losses"]) == 10
+    byarm = {r["arm"]: r for r in doc["runs"]}
+    # the NaN step poisons the plain loop's weights; the guard skips it
+    assert byarm["unguarded"]["eval_loss"] is None and byarm["unguarded"]["diverged"]
+    assert not byarm["unguarded"]["rescued"]
+    g = byarm["gradguard_default"]
+    assert g["finite"] and g["skipped"] >= 1 and "guard_actions" in g and "events" in g
+    s = doc["summary"]
+    assert s["rate"]["unguarded"]["nan"] == [0, 1]
+    assert s["overall"]["gradguard_default"][1] == 1
+    table = rescue.readme_table(doc)
+    assert "`gradguard_default`" in table and "overall" in table
+    md = rescue.markdown(doc)
+    assert "Rescue rate" in md and "Rescued" in md
+
+
+def test_every_arm_runs_one_scenario(tiny_scenarios):
+    sc = tiny_scenarios()["stable"]
+    for arm in common.ARMS:
+        r = common.run_one("conv", common.replace(sc, steps=6), arm, 0)
+        assert r["finite"] and r["applied"] + r["skipped"] == len(r["losses"]), arm
+
+
+def test_fp16_scenario_uses_a_real_scaler(tiny_scenarios):
+    sc = tiny_scenarios()["fp16"]
+    r = common.run_one("gpt", common.replace(sc, steps=6, fault_start=2, fault_len=2), "clip1", 0)
+    assert r["skipped"] >= 2  # the GradScaler skipped the overflowing steps
+
+
+def test_overhead_harness_structure():
+    torch.manual_seed(0)
+    orig = overhead.MODELS["demo"]
+    overhead.MODELS["tiny"] = {"make": lambda: common.TinyGPT(n_layer=1, width=16, n_head=2, seq_len=32),
+                               "batch": 2, "desc": "tiny"}
+    try:
+        res = overhead.bench_model("tiny", device="cpu", reps=2, block=1, warmup=1, snapshot_intervals=(2,),
+                                   only=["gradguard_monitor", "gradguard_default", "gradguard_snapshot_2", "item_loop"])
+    finally:
+        overhead.MODELS.pop("tiny")
+    assert orig is overhead.MODELS["demo"]
+    v = res["variants"]
+    assert set(v) >= {"unguarded", "clip_grad_norm", "gradguard_monitor", "gradguard_default", "item_loop"}
+    for row in v.values():
+        assert row["ratio_median"] > 0 and row["ratio_p25"] <= row["ratio_p75"]
+    assert v["gradguard_monitor"]["transfers_per_step"] >= 1
+    assert v["gradguard_snapshot_2"]["snapshot_bytes"] > 0
+    doc = {"models": [res], "device": "cpu", "environment": common.environment(), "command": "x", "seconds": 1.0}
+    assert "`gradguard_default`" in overhead.readme_table(doc)
+    assert overhead.markdown(doc).startswith("# Overhead")
+
+
+def test_overhead_cuda_skips_without_gpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert overhead.main(["--device", "cuda", "--out", str(tmp_path)]) is None
+    assert "skipped" in capsys.readouterr().out
+    assert not os.listdir(tmp_path)
