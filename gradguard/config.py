@@ -506,6 +506,19 @@ class GuardConfig:
         return cls.from_dict(data)
 
     @classmethod
+    def coerce(cls, value: GuardConfig | dict[str, Any] | None, where: str = "config") -> GuardConfig:
+        """None -> the default preset, a dict -> ``from_dict``, a GuardConfig as is; anything else
+        is a TypeError naming ``where``."""
+        if value is None:
+            return cls()
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if not isinstance(value, cls):
+            raise TypeError(f"gradguard: {where}={type(value).__name__} is not a GuardConfig. "
+                            "Fix: pass gradguard.GuardConfig(...), GuardConfig.preset(name) or a dict of sections")
+        return value
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GuardConfig:
         """Build from nested dicts (as loaded from JSON/YAML). A ``preset`` key starts from a preset."""
         if not isinstance(data, dict):

@@ -95,11 +95,7 @@ class GuardCore:
                  sinks: list[Sink] | None = None, out_dir: str | None = None,
                  layer_fn: Callable[[str], str] | None = None, scheduler: Any = None,
                  scaler: Any = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        if config is None:
-            config = GuardConfig()
-        if not isinstance(config, GuardConfig):
-            raise TypeError(f"gradguard: config={type(config).__name__} is not a GuardConfig. "
-                            "Fix: pass gradguard.GuardConfig(...) or GuardConfig.preset(name)")
+        config = GuardConfig.coerce(config)
         if not isinstance(model, nn.Module):
             raise TypeError(f"gradguard: model={type(model).__name__} is not a torch.nn.Module. "
                             "Fix: pass the module whose parameters the optimizer trains")

@@ -116,14 +116,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
 
     def __init__(self, config: GuardConfig | dict[str, Any] | None = None, *, sinks: list[Sink] | None = None,
                  out_dir: str | None = None, raise_on_halt: bool = True, layer_metrics: bool = True) -> None:
-        if isinstance(config, dict):
-            config = GuardConfig.from_dict(config)
-        if config is None:
-            config = GuardConfig()
-        if not isinstance(config, GuardConfig):
-            raise TypeError(f"gradguard: GradGuardCallback(config={type(config).__name__}) is not a GuardConfig. "
-                            "Fix: pass gradguard.GuardConfig(...) or GuardConfig.preset(name)")
-        self.config = config
+        self.config = config = GuardConfig.coerce(config, "GradGuardCallback(config)")
         self.user_sinks = list(sinks or [])
         self.out_dir = out_dir
         self.raise_on_halt = raise_on_halt

@@ -81,12 +81,7 @@ class _GradGuardMixin:
             log_to_loggers: send the core's metrics to the trainer's loggers.
         """
         super().__init__()
-        if config is None:
-            config = GuardConfig()
-        if not isinstance(config, GuardConfig):
-            raise TypeError(f"gradguard: config={type(config).__name__} is not a GuardConfig. "
-                            "Fix: pass gradguard.GuardConfig(...) or GuardConfig.preset(name)")
-        self.config = config
+        self.config = config = GuardConfig.coerce(config, "GradGuardCallback(config)")
         self.name = name or hashlib.sha1(json.dumps(config.to_dict(), sort_keys=True, default=str)
                                          .encode()).hexdigest()[:10]
         self.extra_sinks = list(sinks or [])

@@ -181,7 +181,7 @@ def test_bad_inputs_fail_at_construction(quiet_cfg):
     opt = torch.optim.AdamW(other.parameters())
     with pytest.raises(ValueError, match="none of the model's trainable parameters is in the optimizer"):
         gg.Guard(model, opt, config=quiet_cfg())
-    with pytest.raises(TypeError, match="config=dict is not a GuardConfig"):
-        gg.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), config={"clip": {}})
+    with pytest.raises(TypeError, match="config=str is not a GuardConfig"):
+        gg.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), config="default")
     with pytest.raises(TypeError, match="is not a torch.optim.Optimizer"):
         gg.Guard(model, object(), config=quiet_cfg())
