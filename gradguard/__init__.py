@@ -8,11 +8,12 @@ from .config import ConfigError, GuardConfig
 from .detect import Finding
 from .guard import GradGuardHalt, Guard, GuardCore, StepReport
 from .policy import Action
-from .sinks import ConsoleSink, JSONLSink, M, MemorySink, Sink
+from .sinks import ConsoleSink, JSONLSink, M, MemorySink, Sink, TensorBoardSink, WandbSink
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Guard", "GuardCore", "GuardConfig", "ConfigError", "GradGuardHalt", "StepReport", "Finding",
-    "Action", "Sink", "JSONLSink", "ConsoleSink", "MemorySink", "M", "__version__",
+    "Action", "Sink", "JSONLSink", "ConsoleSink", "MemorySink", "TensorBoardSink", "WandbSink", "M",
+    "__version__",
 ]

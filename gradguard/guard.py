@@ -347,7 +347,7 @@ class GuardCore:
 
     def _execute(self, a: Action) -> None:
         if a.name == "lower_lr":
-            early = self.detectors.loss.healthy < self.config.detect.warmup_steps
+            early = self.applied_steps < self.config.detect.warmup_steps  # not rewound by a rollback
             factor = self.config.lr.early_down_factor if early else self.config.lr.down_factor
             old, new = self.lr.lower(failed_at=getattr(self, "_failed_mult", None), factor=factor)
             a.params["early"] = early

@@ -68,9 +68,9 @@ class Policy:
         d = Decision()
         kinds = {f.kind for f in findings}
         spike = "loss_spike" in kinds
-        if weights_verified and (spike or REPEAT_KINDS & kinds):
+        if weights_verified and (spike or (REPEAT_KINDS | INSTABILITY_KINDS) & kinds):
             # nothing was applied since the restore: these weights are known good, the batch is not
-            kinds -= {"loss_spike"} | REPEAT_KINDS
+            kinds -= REPEAT_KINDS | INSTABILITY_KINDS
             d.data_verdict = True
             d.skip, d.skip_reason = True, "spike on verified weights: bad data"
         elif spike and (self.last_spike is None or s.step - self.last_spike > cfg.spike_confirm_window):

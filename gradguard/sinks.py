@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, TextIO
 
-__all__ = ["Sink", "JSONLSink", "ConsoleSink", "MemorySink", "M"]
+__all__ = ["Sink", "JSONLSink", "ConsoleSink", "MemorySink", "TensorBoardSink", "WandbSink", "M"]
 
 
 class M:
@@ -131,3 +131,120 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def _event_text(event: dict[str, Any]) -> str:
+    """One Markdown line for an action or halt event."""
+    if event.get("type") == "halt":
+        return f"**HALT** at step {event.get('step')}: {event.get('message', '')}"
+    params = json.dumps(_clean(event.get("params", {})), sort_keys=True, default=str)
+    return f"step {event.get('step')}: **{event.get('name')}** `{params}` <- {event.get('reason', '')}"
+
+
+class TensorBoardSink(Sink):
+    """Metrics as TensorBoard scalars; actions and halts as text under ``gradguard/events``.
+
+    The cumulative per-action counts are already scalars (``gradguard/action/<name>``)."""
+
+    TEXT_TAG = "gradguard/events"
+
+    def __init__(self, log_dir: str, flush_secs: int = 10) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError("gradguard: TensorBoardSink needs tensorboard. "
+                              "Fix: pip install 'gradguard[tensorboard]'") from exc
+        self.log_dir = log_dir
+        self._writer: Any = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if self._writer is None:
+            return
+        for k, v in metrics.items():
+            self._writer.add_scalar(k, float(v), global_step=step)
+
+    def log_event(self, event: dict[str, Any]) -> None:
+        if self._writer is None or event.get("type") not in ("action", "halt"):
+            return
+        self._writer.add_text(self.TEXT_TAG, _event_text(event), global_step=int(event.get("step", 0)))
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        if self._writer is None:
+            return
+        if summary:
+            self._writer.add_text("gradguard/summary", "```\n" + json.dumps(_clean(summary), indent=1,
+                                                                         default=str) + "\n```",
+                                  global_step=int(summary.get("steps", 0) or 0))
+        self._writer.flush()
+        self._writer.close()
+        self._writer = None
+
+
+def _flatten(prefix: str, d: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    for k, v in d.items():
+        key = f"{prefix}/{k}"
+        if isinstance(v, dict):
+            _flatten(key, v, out)
+        elif v is not None:
+            out[key] = v
+    return out
+
+
+class WandbSink(Sink):
+    """Metrics to a Weights & Biases run; actions and halts as a ``gradguard/actions`` table and the
+    guard's summary as ``gradguard/summary/...`` keys, both written at close.
+
+    Uses ``run``, else the active ``wandb.run``, else ``wandb.init(**init_kwargs)``; only a run it
+    started itself is finished in ``close``. W&B steps cannot go back: metrics for a step below the
+    last one logged are logged without a step, so they join the run's current row (replacing its
+    values for the same keys) instead of being dropped by W&B."""
+
+    TABLE_KEY = "gradguard/actions"
+    COLUMNS = ["step", "name", "reason", "params"]
+
+    def __init__(self, run: Any = None, **init_kwargs: Any) -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ImportError("gradguard: WandbSink needs wandb. Fix: pip install 'gradguard[wandb]'") from exc
+        self._wandb = wandb
+        self.owns_run = False
+        if run is None:
+            run = wandb.run
+        if run is None:
+            run = wandb.init(**init_kwargs)
+            self.owns_run = True
+        self.run: Any = run
+        self._last_step: int | None = None
+        self._rows: list[list[Any]] = []
+        self._closed = False
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if self._closed:
+            return
+        if self._last_step is not None and step < self._last_step:
+            self.run.log(dict(metrics))
+            return
+        self.run.log(dict(metrics), step=step)
+        self._last_step = step
+
+    def log_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "action":
+            params = json.dumps(_clean(event.get("params", {})), sort_keys=True, default=str)
+            self._rows.append([int(event.get("step", 0)), str(event.get("name", "")),
+                               str(event.get("reason", "")), params])
+        elif kind == "halt":
+            self._rows.append([int(event.get("step", 0)), "HALT", str(event.get("message", "")), "{}"])
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._rows:
+            self.run.log({self.TABLE_KEY: self._wandb.Table(columns=list(self.COLUMNS), data=self._rows)})
+        if summary:
+            for k, v in _flatten("gradguard/summary", summary, {}).items():
+                self.run.summary[k] = v
+        if self.owns_run:
+            self.run.finish()

@@ -280,10 +280,10 @@ class SnapshotRing:
             self._spare = snap.state
 
     def best(self) -> Snapshot | None:
-        if self.ring:
-            return self.ring[-1]
-        tested = [s for s in self.candidates if s.tested]
-        return tested[-1] if tested else None
+        """The newest restorable snapshot: confirmed, or a candidate whose direct test (the loss
+        right after it) came back healthy. Never an untested candidate."""
+        usable = self.ring + [s for s in self.candidates if s.tested]
+        return max(usable, key=lambda s: s.step) if usable else None
 
     def load_state(self, snap: Snapshot) -> tuple[Snapshot, dict[str, Any]]:
         """The state of ``snap``; from disk, falling back to older snapshots if it is unreadable."""

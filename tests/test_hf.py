@@ -133,7 +133,7 @@ def test_monitor_is_bit_identical_and_reports_the_trainers_grad_norm(tmp_path):
     assert [h["loss"] for h in la] == [h["loss"] for h in lb]
     for h in lb:  # pre-clip, post-unscale total norm == the Trainer's grad_norm
         assert h["gradguard/grad_norm/total"] == pytest.approx(h["grad_norm"], rel=1e-5)
-        assert h["gradguard/loss"] == pytest.approx(h["loss"], rel=1e-6)
+        assert h["gradguard/loss"] == pytest.approx(h["loss"], rel=1e-6, abs=1e-4)  # 4.57 logs 4 digits
         assert "gradguard/grad_norm/transformer_h_0" in h
     assert any(h["grad_norm"] > 1.0 for h in la)  # the clip really was in use
     assert guarded.args.max_grad_norm == 1.0  # the user's value is back after training
@@ -151,7 +151,7 @@ def test_step_loss_under_gradient_accumulation(tmp_path, loss_kwargs):
     logs = train_logs(tr)
     assert len(logs) == 3
     for h in logs:
-        assert h["gradguard/loss"] == pytest.approx(h["loss"], rel=1e-5)
+        assert h["gradguard/loss"] == pytest.approx(h["loss"], rel=1e-5, abs=1e-4)  # 4.57 logs 4 digits
     assert cb._sum_semantics is loss_kwargs
 
 

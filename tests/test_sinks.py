@@ -1,0 +1,201 @@
+"""TensorBoardSink and WandbSink against the real libraries (W&B offline), read back from their files."""
+
+import glob
+import json
+import math
+import struct
+import sys
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import gradguard as gg
+from gradguard.sinks import M
+
+NAN_STEPS = (12, 13, 14)  # a 3-step non-finite streak: skips, then actions (rollback, lower_lr...)
+NAN_STEP = NAN_STEPS[-1]
+STEPS = 30
+
+
+def _run_guard(tmp_path, sink):
+    """A real Guard on a two-Linear model, NaN losses at NAN_STEPS; returns what a MemorySink saw."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(fc1=nn.Linear(8, 16), act=nn.Tanh(), head=nn.Linear(16, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mem = gg.MemorySink()
+    cfg = gg.GuardConfig.preset("default", output={"dir": str(tmp_path), "console": False, "metrics_interval": 5})
+    guard = gg.Guard(model, opt, config=cfg, sinks=[mem, sink])
+    assert guard.layers.layer_names == ["fc1", "head"]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 8, generator=gen)
+    y = x @ torch.randn(8, 1, generator=gen)  # one fixed batch: a smooth loss, no spurious spikes
+    for i in range(1, STEPS + 1):
+        loss = nn.functional.mse_loss(model(x), y)
+        if i in NAN_STEPS:
+            loss = loss * float("nan")
+        loss.backward()
+        guard.step(loss)
+        opt.zero_grad(set_to_none=True)
+    guard.close()
+    assert any(e["type"] == "action" and e["step"] == NAN_STEP for e in mem.events)
+    assert mem.summary["skipped"] >= len(NAN_STEPS)
+    return mem
+
+
+def _expected(mem, key):
+    return {step: m[key] for step, m in mem.metrics if key in m}
+
+
+def _same(a, b):
+    if math.isnan(b):
+        return math.isnan(a)
+    return a == pytest.approx(b, rel=1e-6, abs=1e-7)  # TensorBoard keeps float32
+
+
+# -- TensorBoard -----------------------------------------------------------------------------
+
+def test_tensorboard_sink_round_trip(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb_dir = tmp_path / "tb"
+    mem = _run_guard(tmp_path, gg.TensorBoardSink(str(tb_dir)))
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    for key in (M.LOSS, M.GRAD_NORM, M.SKIPPED, f"{M.GRAD_NORM_LAYER}/fc1", f"{M.GRAD_NORM_LAYER}/head"):
+        assert key in tags["scalars"], key
+        want = _expected(mem, key)
+        got = {e.step: e.value for e in acc.Scalars(key)}
+        assert sorted(got) == sorted(want) and NAN_STEP in got and 5 in got and STEPS in got
+        for step, v in want.items():
+            assert _same(got[step], v), (key, step, got[step], v)
+    assert math.isnan(dict((e.step, e.value) for e in acc.Scalars(M.LOSS))[NAN_STEP])
+    action_tags = [t for t in tags["scalars"] if t.startswith(M.ACTION + "/")]
+    assert action_tags  # the cumulative per-action counts
+    text_tag = next(t for t in tags["tensors"] if t.startswith(gg.TensorBoardSink.TEXT_TAG + "/"))
+    texts = acc.Tensors(text_tag)
+    assert NAN_STEP in [e.step for e in texts]
+    first = texts[0].tensor_proto.string_val[0].decode()
+    assert "**" in first and "step" in first
+
+
+def test_tensorboard_sink_missing_dependency(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match=r"gradguard\[tensorboard\]"):
+        gg.TensorBoardSink(str(tmp_path / "tb"))
+
+
+# -- W&B (offline) ---------------------------------------------------------------------------
+
+def _wandb_records(path):
+    """The records of a W&B ``.wandb`` transaction log: LevelDB-log framing (7-byte file header
+    ``:W&B`` + magic + version; 32 KiB blocks of chunks ``<crc32 u32, length u16, type u8>``,
+    type 1 full, 2 first, 3 middle, 4 last) around ``wandb_internal_pb2.Record`` protobufs.
+    wandb 0.31's Python package no longer ships a reader (its ``DataStore`` moved into the Go core)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = open(path, "rb").read()
+    ident, magic, version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0)
+    block, pos, buf = 32768, 7, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # zero-padded block tail
+            pos += left
+            continue
+        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind == 0:
+            pos += left - 7 - n
+            continue
+        if kind in (1, 2):
+            buf = chunk
+        else:
+            buf += chunk
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            yield rec
+
+
+def _key(item):
+    return item.key or ".".join(item.nested_key)
+
+
+def _read_wandb_run(tmp_path):
+    (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    history, summary = [], {}
+    for rec in _wandb_records(path):
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            row = {_key(i): json.loads(i.value_json) for i in rec.history.item}
+            history.append(row)
+        elif kind == "summary":
+            summary.update({_key(u): json.loads(u.value_json) for u in rec.summary.update})
+    return history, summary
+
+
+@pytest.fixture
+def wandb_offline(monkeypatch, tmp_path):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    yield wandb
+    if wandb.run is not None:
+        wandb.run.finish()
+
+
+def test_wandb_sink_round_trip(wandb_offline, tmp_path):
+    sink = gg.WandbSink(project="gradguard-test", dir=str(tmp_path))
+    assert sink.owns_run
+    mem = _run_guard(tmp_path, sink)
+    assert sink.run._is_finished and wandb_offline.run is None  # it started the run, so it finished it
+    history, summary = _read_wandb_run(tmp_path)
+    for key in (M.LOSS, M.GRAD_NORM, f"{M.GRAD_NORM_LAYER}/fc1"):
+        want = _expected(mem, key)
+        got = {row["_step"]: row[key] for row in history if key in row}
+        assert sorted(got) == sorted(want) and NAN_STEP in got
+        for step, v in want.items():
+            assert _same(got[step], v), (key, step, got[step], v)
+    table_rows = [row for row in history if any(k.startswith(gg.WandbSink.TABLE_KEY + ".") for k in row)]
+    assert len(table_rows) == 1 and table_rows[0][gg.WandbSink.TABLE_KEY + ".nrows"] >= 1
+    (files_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "files"))
+    table = json.load(open(f"{files_dir}/{table_rows[0][gg.WandbSink.TABLE_KEY + '.path']}"))
+    assert table["columns"] == ["step", "name", "reason", "params"]
+    assert NAN_STEP in [r[0] for r in table["data"]]
+    assert all(isinstance(json.loads(r[3]), dict) for r in table["data"])
+    assert summary["gradguard/summary/skipped"] == mem.summary["skipped"]
+    assert summary["gradguard/summary/steps"] == STEPS
+    for name, count in mem.summary["actions"].items():
+        assert summary[f"gradguard/summary/actions/{name}"] == count
+
+
+def test_wandb_sink_existing_run_and_backward_step(wandb_offline, tmp_path):
+    run = wandb_offline.init(project="gradguard-test", dir=str(tmp_path))
+    sink = gg.WandbSink()  # picks up the active wandb.run
+    assert sink.run is run and not sink.owns_run
+    sink.log_metrics(10, {M.LOSS: 1.0})
+    sink.log_metrics(4, {M.LOSS: 2.0, "gradguard/extra": 5.0})  # behind: logged without a step
+    sink.log_metrics(11, {M.LOSS: 3.0})
+    sink.close({"steps": 11, "actions": {"skip": 1}})
+    assert not run._is_finished and wandb_offline.run is run  # not its run: left open
+    run.log({"user/after": 1.0})
+    run.finish()
+    history, summary = _read_wandb_run(tmp_path)
+    steps = [(row["_step"], row[M.LOSS]) for row in history if M.LOSS in row]
+    # W&B cannot go back: the late metrics join the run's pending row (step 10), whose values for the
+    # same keys they replace; nothing is dropped and step 11 still lands on its own row
+    assert steps == [(10, 2.0), (11, 3.0)]
+    assert [row["_step"] for row in history if "gradguard/extra" in row] == [10]
+    assert summary["gradguard/summary/actions/skip"] == 1
+
+
+def test_wandb_sink_missing_dependency(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match=r"gradguard\[wandb\]"):
+        gg.WandbSink()
