@@ -130,8 +130,10 @@ class DetectConfig:
     layer_grad_sigma: float = 8.0
     """Per-layer grad-norm spike threshold in robust standard deviations."""
 
-    layer_grad_ratio: float = 5.0
-    """Per-layer grad-norm spike threshold as a factor of the layer's baseline."""
+    layer_grad_ratio: float = 10.0
+    """Per-layer grad-norm spike threshold as a factor of the layer's baseline. Per-layer spikes
+    name culprit layers; on their own they are informational and never escalate (embedding
+    gradients are sparse and spiky by nature)."""
 
     min_rel_spread: float = 0.01
     """Lower bound of the spread as a fraction of the baseline, so a flat series is not hair-trigger."""

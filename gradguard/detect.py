@@ -135,8 +135,8 @@ class LossSpikeDetector:
 
     def observe(self, s: Signals) -> list[Finding]:
         x = s.loss
-        if x is None or not math.isfinite(x):
-            return []
+        if x is None or not math.isfinite(x) or s.overflow:
+            return []  # an fp16 overflow step's loss is the scaler's business (the scale detectors)
         cfg = self.cfg
         finding = None
         if self.healthy >= cfg.warmup_steps and self.base.mean is not None:
@@ -210,7 +210,7 @@ class GradSpikeDetector:
                 self.total.update(thr, spike=True)
                 return out
         if culprits:
-            out.append(Finding("layer_grad_spike", WARNING, s.step, layers=culprits,
+            out.append(Finding("layer_grad_spike", INFO, s.step, layers=culprits,
                                message="layer grad-norm spike in " + ", ".join(culprits[:5])))
         self.total.update(s.total_norm)
         return out

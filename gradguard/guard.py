@@ -68,6 +68,7 @@ class StepReport:
     halt: bool = False
     diagnosis: dict[str, Any] | None = None
     healthy: bool = False
+    blamed_on_data: bool = False
 
     @property
     def skipped(self) -> bool:
@@ -199,7 +200,8 @@ class GuardCore:
         decision = self.policy.decide(sig, findings, grad_ratio, weights_verified=self._verified)
         report = StepReport(step=step, applied=not decision.skip, skip_reason=decision.skip_reason,
                             loss=sig.loss, total_norm=meas.total_norm, layer_norms=layer_norms,
-                            scale=scale, overflow=overflow, findings=findings)
+                            scale=scale, overflow=overflow, findings=findings,
+                            blamed_on_data=decision.data_verdict)
         grads = None
         if cfg.policy.act:
             clip_to = self.clip.threshold(meas.total_norm)
@@ -591,8 +593,11 @@ class Guard(GuardCore):
                 self.scaler.step(opt)
             else:
                 opt.step()
-        if self.scaler is not None:
-            self.scaler.update()  # also after a skip: it resets the scaler's per-step state
+        if self.scaler is not None:  # also after a skip: it resets the scaler's per-step state
+            if report.blamed_on_data and report.overflow and report.scale:
+                self.scaler.update(new_scale=report.scale)  # bad data must not shrink the scale
+            else:
+                self.scaler.update()
         if report.applied and self._step_scheduler:
             self.scheduler.step()
         self.after_step(report)

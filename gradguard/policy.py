@@ -14,7 +14,7 @@ __all__ = ["Action", "Decision", "Policy", "INSTABILITY_KINDS", "REPEAT_KINDS"]
 #: Findings that count as instability on their own.
 INSTABILITY_KINDS = frozenset({"loss_spike", "overflow_streak", "overflow_rate", "scale_collapse"})
 #: Findings handled step by step (skip, clip) that count as instability once they repeat.
-REPEAT_KINDS = frozenset({"nonfinite_loss", "nonfinite_grad", "grad_spike", "layer_grad_spike"})
+REPEAT_KINDS = frozenset({"nonfinite_loss", "nonfinite_grad", "grad_spike"})
 
 
 @dataclass
