@@ -594,8 +594,11 @@ class Guard(GuardCore):
             else:
                 opt.step()
         if self.scaler is not None:  # also after a skip: it resets the scaler's per-step state
-            if report.blamed_on_data and report.overflow and report.scale:
-                self.scaler.update(new_scale=report.scale)  # bad data must not shrink the scale
+            streak = any(f.kind == "overflow_streak" for f in report.findings)
+            if report.overflow and report.scale and (report.blamed_on_data or streak) and self.config.policy.act:
+                # overflows that several halvings did not cure (or that restored weights meet) come
+                # from the forward pass or the data, not from the scale: keep it
+                self.scaler.update(new_scale=report.scale)
             else:
                 self.scaler.update()
         if report.applied and self._step_scheduler:

@@ -12,7 +12,7 @@ from .detect import Finding, Signals
 __all__ = ["Action", "Decision", "Policy", "INSTABILITY_KINDS", "REPEAT_KINDS"]
 
 #: Findings that count as instability on their own.
-INSTABILITY_KINDS = frozenset({"loss_spike", "overflow_streak", "overflow_rate", "scale_collapse"})
+INSTABILITY_KINDS = frozenset({"loss_spike", "overflow_rate", "scale_collapse"})
 #: Findings handled step by step (skip, clip) that count as instability once they repeat.
 REPEAT_KINDS = frozenset({"nonfinite_loss", "nonfinite_grad", "grad_spike"})
 
