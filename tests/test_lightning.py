@@ -346,7 +346,7 @@ def test_resume_restores_guard_state_per_instance(tmp_path):
     assert m2.step_lrs[8][0] == pytest.approx(m2.rec[7]["lr"][0] * mult)
 
 
-def test_fp16_overflows_skip_and_streak_escalates(tmp_path):
+def test_fp16_overflows_skip_and_streak_is_found(tmp_path):
     from lightning.pytorch.plugins import MixedPrecision
 
     m = LitGPT(inf_at={3, 4, 5, 6, 7})
@@ -367,7 +367,8 @@ def test_fp16_overflows_skip_and_streak_escalates(tmp_path):
     assert r[8].applied and not r[8].overflow
     assert torch.equal(m.params[2], m.params[7])
     kinds = [e["kind"] for e in events(cb.core.log_path) if e["type"] == "finding"]
-    assert "overflow_streak" in kinds and cb.core.action_counts["lower_lr"] == 1
+    # a streak is reported; the scaler already skips those steps, so it does not climb the ladder
+    assert "overflow_streak" in kinds and cb.core.action_counts["lower_lr"] == 0
     assert r[2].loss == pytest.approx(m.micro_losses[1], rel=1e-3)  # unscaled loss
 
 
