@@ -126,6 +126,19 @@ def _key(item):
 
 
 def _read_wandb_run(tmp_path):
+    """History rows and summary of the offline run. The wandb service writes the file
+    asynchronously, so an incomplete file is read again for a few seconds."""
+    import time
+
+    for _ in range(40):
+        history, summary = _read_wandb_once(tmp_path)
+        if history and summary:
+            break
+        time.sleep(0.5)
+    return history, summary
+
+
+def _read_wandb_once(tmp_path):
     (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     history, summary = [], {}
     for rec in _wandb_records(path):
