@@ -136,6 +136,7 @@ class GuardCore:
         self._verified = False  # no update applied since the weights were restored from a snapshot
         self._undo: tuple[dict[str, Any], float] | None = None  # LR/clip before the last rollback rung
         self._extra_actions: list[Action] = []
+        self._failed_mult = 1.0  # LR multiplier level at which the current step's instability happened
         self._last: StepReport | None = None
         self.sinks: list[Sink] = list(sinks or [])
         self.out_dir = out_dir if out_dir is not None else config.output.dir
@@ -202,7 +203,6 @@ class GuardCore:
                             loss=sig.loss, total_norm=meas.total_norm, layer_norms=layer_norms,
                             scale=scale, overflow=overflow, findings=findings,
                             blamed_on_data=decision.data_verdict)
-        grads = None
         if cfg.policy.act:
             clip_to = self.clip.threshold(meas.total_norm)
             report.clip_to = clip_to
@@ -351,7 +351,7 @@ class GuardCore:
         if a.name == "lower_lr":
             early = self.applied_steps < self.config.detect.warmup_steps  # not rewound by a rollback
             factor = self.config.lr.early_down_factor if early else self.config.lr.down_factor
-            old, new = self.lr.lower(failed_at=getattr(self, "_failed_mult", None), factor=factor)
+            old, new = self.lr.lower(failed_at=self._failed_mult, factor=factor)
             a.params["early"] = early
             a.params.update({"from": old, "to": new})
         elif a.name == "tighten_clip":

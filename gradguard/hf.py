@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .act import unwrap_optimizer
 from .config import ClipConfig, ConfigError, GuardConfig
 from .guard import GradGuardHalt, GuardCore, StepReport
 from .policy import Action
@@ -58,19 +59,6 @@ STATE_FILE = "gradguard_state.json"
 NONFINITE_LOSS_STEPS = M.NONFINITE_LOSS_STEPS
 
 _UNSKIPPABLE_OPTIMS = ("lomo", "adalomo")  # update inside backward: no optimizer step to skip
-
-
-def _torch_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer under accelerate's AcceleratedOptimizer. (AcceleratedOptimizer subclasses
-    torch.optim.Optimizer without its hook registries, so the core's unwrapping stops at it.)"""
-    opt = optimizer
-    for _ in range(8):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None or inner is opt or not hasattr(inner, "param_groups"):
-            break
-        opt = inner
-    return opt
-
 
 class _HeldScheduler:
     """Makes the next ``scheduler.step()`` call a no-op (a skipped optimizer step must not move the
@@ -288,7 +276,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             self._replay_clip = user  # the guard does not clip: re-apply the Trainer's clipping after measuring
         scaler = getattr(optimizer, "scaler", None)
         out_dir = self.out_dir or cfg.output.dir or args.output_dir
-        self.core = GuardCore(model, _torch_optimizer(optimizer), config=cfg, sinks=list(self.user_sinks), out_dir=out_dir,
+        self.core = GuardCore(model, unwrap_optimizer(optimizer), config=cfg, sinks=list(self.user_sinks), out_dir=out_dir,
                               scheduler=lr_scheduler, scaler=scaler, reduce=self._reduce())
         self.core.register_actuator("shrink_batch", self._shrink_batch)
         self.core.register_actuator("skip_data", self._skip_data)
