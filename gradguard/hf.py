@@ -60,6 +60,7 @@ NONFINITE_LOSS_STEPS = M.NONFINITE_LOSS_STEPS
 
 _UNSKIPPABLE_OPTIMS = ("lomo", "adalomo")  # update inside backward: no optimizer step to skip
 
+
 class _HeldScheduler:
     """Makes the next ``scheduler.step()`` call a no-op (a skipped optimizer step must not move the
     LR schedule), by shadowing the bound method on the instance until released."""
