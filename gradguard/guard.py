@@ -114,6 +114,9 @@ class GuardCore:
         self.adam = AdamTuner(config.adam, self.optimizer)
         self.actuators: dict[str, Callable[[Action], dict[str, Any]]] = {}
         self.healthy_hooks: list[Callable[[int], Action | None]] = []
+        self.rollback_sources: list[Callable[[Action], dict[str, Any] | None]] = []
+        self.batch_control: Any = None  # see attach_batches
+        self._grow_healthy = 0
         self.snapshots: SnapshotRing | None = None
         rc = config.recovery
         if rc.snapshot_interval > 0 and config.policy.act:
@@ -322,22 +325,40 @@ class GuardCore:
         snap = self.snapshots.take(step)
         self._emit({"type": "snapshot", "step": step, "bytes": snap.nbytes, "seconds": snap.seconds})
 
+    def add_rollback_source(self, fn: Callable[[Action], dict[str, Any] | None]) -> None:
+        """Add a fallback tier for the 'rollback' rung, used when the in-memory ring has no tested
+        snapshot (or snapshots are off): typically the engine's own checkpoints. ``fn(action)``
+        restores the model and optimizer (and scaler) to an earlier healthy state and returns at
+        least ``{"to_step": step}``, or returns None when it has nothing to restore."""
+        self.rollback_sources.append(fn)
+        if self.config.policy.act:
+            self.register_actuator("rollback", self._rollback)
+
     def _rollback(self, a: Action) -> dict[str, Any]:
-        assert self.snapshots is not None
-        snap = self.snapshots.best()
+        snap = self.snapshots.best() if self.snapshots is not None else None
         if snap is None:
-            return {"unavailable": "no healthy snapshot yet: step skipped instead"}
-        wanted = snap.step
-        snap = self.snapshots.restore(snap, restore_schedule=self.config.recovery.restore_schedule,
-                                      restore_rng=self.config.recovery.restore_rng)
-        if snap.step != wanted or self.snapshots.problems:
-            self._emit({"type": "snapshot_fallback", "step": a.step, "wanted": wanted, "restored": snap.step,
-                        "problems": list(self.snapshots.problems)})
-            self.snapshots.problems.clear()
+            out = None
+            for source in self.rollback_sources:
+                out = source(a)
+                if out:
+                    break
+            if not out:
+                return {"unavailable": "no healthy snapshot yet: step skipped instead"}
+            out.setdefault("confirmed", True)
+            out["steps_lost"] = a.step - 1 - int(out["to_step"])
+            if self.snapshots is not None:  # untested candidates hold weights from after the restored state
+                self.snapshots.drop_untested()
+        else:
+            wanted = snap.step
+            snap = self.snapshots.restore(snap, restore_schedule=self.config.recovery.restore_schedule,  # type: ignore[union-attr]
+                                          restore_rng=self.config.recovery.restore_rng)
+            if snap.step != wanted or self.snapshots.problems:  # type: ignore[union-attr]
+                self._emit({"type": "snapshot_fallback", "step": a.step, "wanted": wanted, "restored": snap.step,
+                            "problems": list(self.snapshots.problems)})  # type: ignore[union-attr]
+                self.snapshots.problems.clear()  # type: ignore[union-attr]
+            out = {"to_step": snap.step, "confirmed": snap.confirmed, "steps_lost": a.step - 1 - snap.step}
         self.lr.reapply_after_restore()
         self.lr.rewarm()
-        out: dict[str, Any] = {"to_step": snap.step, "confirmed": snap.confirmed,
-                               "steps_lost": a.step - 1 - snap.step}
         n_skip = self.config.recovery.skip_batches
         if n_skip and "skip_data" in self.actuators:
             skip = Action("skip_data", a.step, f"after rollback to step {snap.step}", {"batches": n_skip})
@@ -346,6 +367,66 @@ class GuardCore:
             self._extra_actions.append(skip)
             out["skipped_batches"] = n_skip
         return out
+
+    # -- batch size --------------------------------------------------------------------------
+    def attach_batches(self, controller: Any) -> None:
+        """Let the policy resize the batch. ``controller`` has ``batch_size`` and ``base_batch_size``
+        (samples per optimizer step), ``shrink_global()`` and ``grow_global()`` returning
+        ``(old, new)`` or None, and ``shrink_micro()`` (same, or None when it cannot);
+        ``gradguard.data.BatchController`` is one, the adapters wrap their engine's data loader.
+        'shrink_batch' then halves the batch (global mode: LR scaled linearly) and a stable period
+        doubles it back, with max_grad_norm held at ``recovery.grow_clip`` for a while."""
+        self.batch_control = controller
+        self.register_actuator("shrink_batch", self._shrink_batch)
+        if self._maybe_grow not in self.healthy_hooks:
+            self.healthy_hooks.append(self._maybe_grow)
+
+    def _shrink_batch(self, a: Action) -> dict[str, Any]:
+        ctl = self.batch_control
+        if self.config.recovery.shrink_mode == "micro":
+            moved = ctl.shrink_micro()
+            if moved is None:
+                return {"unavailable": "the micro-batch cannot be made smaller"}
+            return {"micro_batch": list(moved), "accumulation": getattr(ctl, "accumulation_steps", None)}
+        moved = ctl.shrink_global()
+        if moved is None:
+            return {"unavailable": f"the batch cannot be made smaller than {ctl.batch_size}"}
+        self.lr.batch_scale = ctl.batch_size / ctl.base_batch_size  # linear scaling
+        self._grow_healthy = 0
+        return {"batch": list(moved), "lr_scale": self.lr.batch_scale}
+
+    def _maybe_grow(self, step: int) -> Action | None:
+        ctl = self.batch_control
+        if ctl is None or ctl.batch_size >= ctl.base_batch_size:
+            return None
+        self._grow_healthy += 1
+        if self._grow_healthy < self.config.recovery.grow_after:
+            return None
+        self._grow_healthy = 0
+        moved = ctl.grow_global()
+        if moved is None:
+            return None
+        self.lr.batch_scale = ctl.batch_size / ctl.base_batch_size
+        rc = self.config.recovery
+        self.clip.hold(rc.grow_clip, rc.grow_clip_steps)
+        return Action("grow_batch", step, "stable period",
+                      {"batch": list(moved), "lr_scale": self.lr.batch_scale,
+                       "clip_held": rc.grow_clip, "for_steps": rc.grow_clip_steps})
+
+    def scale_to_keep(self, report: StepReport) -> float | None:
+        """The loss scale to put back after the engine's GradScaler update, or None to let it halve.
+        Overflows that several halvings did not cure (a streak), or that restored weights meet,
+        come from the forward pass or the data, not from the scale: halving it further would only
+        underflow the healthy steps' gradients."""
+        if not (self.config.policy.act and report.overflow and report.scale):
+            return None
+        if report.blamed_on_data or any(f.kind == "overflow_streak" for f in report.findings):
+            return float(report.scale)
+        return None
+
+    def record(self, action: Action) -> Action:
+        """Count and log an action an adapter took by itself (e.g. an out-of-memory retry)."""
+        return self._record(action)
 
     def _execute(self, a: Action) -> None:
         if a.name == "lower_lr":
@@ -453,6 +534,7 @@ class GuardCore:
             "detectors": self.detectors.state_dict(), "policy": self.policy.state_dict(),
             "clip": self.clip.state_dict(), "lr": self.lr.state_dict(), "adam": self.adam.state_dict(),
             "snapshots": self.snapshots.state_dict() if self.snapshots is not None else None,
+            "grow_healthy": self._grow_healthy,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -473,6 +555,7 @@ class GuardCore:
         self.adam.load_state_dict(state["adam"])
         if self.snapshots is not None and state.get("snapshots"):
             self.snapshots.load_state_dict(state["snapshots"])
+        self._grow_healthy = int(state.get("grow_healthy", 0))
 
 
 class Guard(GuardCore):
@@ -501,11 +584,9 @@ class Guard(GuardCore):
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
         self._step_scheduler = scheduler is not None and not isinstance(scheduler, plateau)
         self.batches = batches
-        self._grow_healthy = 0
         if batches is not None:
             self.register_actuator("skip_data", self._skip_data)
-            self.register_actuator("shrink_batch", self._shrink_batch)
-            self.healthy_hooks.append(self._maybe_grow)
+            self.attach_batches(batches)
             # after a rollback the data position keeps moving forward: the controller is not rewound
 
     # -- batch controller actuators ----------------------------------------------------------
@@ -514,38 +595,6 @@ class Guard(GuardCore):
         preceding = [list(b) for b in self.batches.recent]
         skipped = self.batches.skip(int(a.params.get("batches", 0)))
         return {"skipped_indices": skipped, "preceding_indices": preceding}
-
-    def _shrink_batch(self, a: Action) -> dict[str, Any]:
-        assert self.batches is not None
-        if self.config.recovery.shrink_mode == "micro":
-            moved = self.batches.shrink_micro()
-            if moved is None:
-                return {"unavailable": "micro-batch is already 1"}
-            return {"micro_batch": list(moved), "accumulation": self.batches.accumulation_steps}
-        moved = self.batches.shrink_global()
-        if moved is None:
-            return {"unavailable": f"batch is already at min_batch_size={self.batches.min_batch_size}"}
-        self.lr.batch_scale = self.batches.batch_size / self.batches.base_batch_size  # linear scaling
-        self._grow_healthy = 0
-        return {"batch": list(moved), "lr_scale": self.lr.batch_scale}
-
-    def _maybe_grow(self, step: int) -> Action | None:
-        assert self.batches is not None
-        if self.batches.batch_size >= self.batches.base_batch_size:
-            return None
-        self._grow_healthy += 1
-        if self._grow_healthy < self.config.recovery.grow_after:
-            return None
-        self._grow_healthy = 0
-        moved = self.batches.grow_global()
-        if moved is None:
-            return None
-        self.lr.batch_scale = self.batches.batch_size / self.batches.base_batch_size
-        rc = self.config.recovery
-        self.clip.hold(rc.grow_clip, rc.grow_clip_steps)
-        return Action("grow_batch", step, "stable period",
-                      {"batch": list(moved), "lr_scale": self.lr.batch_scale,
-                       "clip_held": rc.grow_clip, "for_steps": rc.grow_clip_steps})
 
     def accumulate(self, batch: Any, loss_fn: Callable[[Any], torch.Tensor]) -> float:
         """Forward and backward over one step's samples (a ``StepBatch`` from the batch controller)
@@ -594,13 +643,7 @@ class Guard(GuardCore):
             else:
                 opt.step()
         if self.scaler is not None:  # also after a skip: it resets the scaler's per-step state
-            streak = any(f.kind == "overflow_streak" for f in report.findings)
-            if report.overflow and report.scale and (report.blamed_on_data or streak) and self.config.policy.act:
-                # overflows that several halvings did not cure (or that restored weights meet) come
-                # from the forward pass or the data, not from the scale: keep it
-                self.scaler.update(new_scale=report.scale)
-            else:
-                self.scaler.update()
+            self.scaler.update(new_scale=self.scale_to_keep(report))
         if report.applied and self._step_scheduler:
             self.scheduler.step()
         self.after_step(report)
@@ -613,14 +656,12 @@ class Guard(GuardCore):
         state = super().state_dict()
         if self.batches is not None:
             state["batches"] = self.batches.state_dict()
-            state["grow_healthy"] = self._grow_healthy
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.batches is not None and "batches" in state:
             self.batches.load_state_dict(state["batches"])
-            self._grow_healthy = state["grow_healthy"]
 
     def __enter__(self) -> Guard:
         return self

@@ -273,6 +273,13 @@ class SnapshotRing:
             self._release(snap)
         return confirmed
 
+    def drop_untested(self) -> None:
+        """Forget the candidates not yet tested (after weights came back from elsewhere, they
+        describe a discarded future)."""
+        for snap in [s for s in self.candidates if not s.tested]:
+            self.candidates.remove(snap)
+            self._release(snap)
+
     def _release(self, snap: Snapshot) -> None:
         if self.disk is not None:
             self.disk.remove(snap.step)
