@@ -22,6 +22,13 @@ How the Trainer's events map onto the core:
   ahead of the reporting integrations so that they receive them). ``gradguard/loss`` is the mean
   guard loss of the logging window, non-finite values included (the Trainer's
   ``logging_nan_inf_filter`` hides them from ``loss``).
+* ``trainer.training_step`` is wrapped for the run (the Trainer is found on the call stack): an
+  out-of-memory error retries the same samples in smaller chunks (and later micro-batches stay
+  split); a data window skipped after a rollback is not computed; ``shrink_mode="micro"`` splits.
+* the train dataloader is the core's batch controller: ``shrink_batch`` / grow-back change its
+  batch size live (LR scaled linearly while it is small).
+* rollback: the in-memory snapshot ring first, then the run's own ``checkpoint-*`` folders (a
+  checkpoint is trusted once the step after it was healthy).
 * checkpoints: the guard's state is an ``ExportableState`` entry of ``trainer_state.json`` and a
   ``gradguard_state.json`` file in the checkpoint folder; ``train(resume_from_checkpoint=...)``
   restores it.
@@ -39,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .act import unwrap_optimizer
+from .act import drop_grads, unwrap_optimizer
 from .config import ClipConfig, ConfigError, GuardConfig
 from .guard import GradGuardHalt, GuardCore, StepReport
 from .policy import Action
@@ -90,6 +97,185 @@ class _HeldScheduler:
             self.held = False
 
 
+def _find_trainer() -> Any:
+    """The ``Trainer`` whose callback handler is calling us (callbacks are not given it)."""
+    try:
+        from transformers import Trainer
+    except ImportError:  # pragma: no cover
+        return None
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, Trainer):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def _split_inputs(inputs: Any, parts: int) -> list[tuple[Any, int]]:
+    """Split a micro-batch (a mapping of tensors) along its first dimension into at most ``parts``
+    chunks; returns (chunk, samples in it). Tensors without the batch dimension are shared."""
+    if not isinstance(inputs, dict) and not hasattr(inputs, "keys"):
+        return [(inputs, 0)]
+    tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if not tensors:
+        return [(inputs, 0)]
+    n = tensors[0].shape[0]
+    parts = max(1, min(parts, n))
+    sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+    out = []
+    start = 0
+    for size in sizes:
+        chunk = {k: (v[start:start + size] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n else v)
+                 for k, v in inputs.items()}
+        out.append((chunk, size))
+        start += size
+    return out
+
+
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    """The model weights of a Trainer checkpoint folder (safetensors or .bin, sharded or not)."""
+    single = [("model.safetensors", "st"), ("pytorch_model.bin", "bin")]
+    for name, kind in single:
+        f = os.path.join(path, name)
+        if os.path.isfile(f):
+            return _read_one(f, kind)
+    for index, kind in (("model.safetensors.index.json", "st"), ("pytorch_model.bin.index.json", "bin")):
+        f = os.path.join(path, index)
+        if os.path.isfile(f):
+            with open(f, encoding="utf-8") as fh:
+                files = sorted(set(json.load(fh)["weight_map"].values()))
+            out: dict[str, torch.Tensor] = {}
+            for shard in files:
+                out.update(_read_one(os.path.join(path, shard), kind))
+            return out
+    raise FileNotFoundError("no model.safetensors / pytorch_model.bin (adapter-only checkpoints are not restorable)")
+
+
+def _read_one(f: str, kind: str) -> dict[str, torch.Tensor]:
+    if kind == "st":
+        from safetensors.torch import load_file
+
+        return load_file(f, device="cpu")
+    return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def _batch_of(inputs: Any) -> int:
+    if hasattr(inputs, "values"):
+        for v in inputs.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                return int(v.shape[0])
+    return 0
+
+
+class _LoaderBatches:
+    """The Trainer's train dataloader as a gradguard batch controller (``GuardCore.attach_batches``).
+
+    Global size = loader batch x gradient accumulation steps (per device). ``shrink_global`` /
+    ``grow_global`` change the loader's batch size live (the batch sampler re-reads it between
+    batches; accelerate's ``BatchSamplerShard`` of a multi-process run is updated with its inner
+    sampler); ``shrink_micro`` splits every micro-batch into more chunks inside ``training_step``
+    (global batch and samples unchanged)."""
+
+    def __init__(self, cb: GradGuardCallback, dataloader: Any, accumulation: int) -> None:
+        self.cb = cb
+        self.dl = dataloader
+        self.accumulation = max(1, int(accumulation))
+        self.base_loader_batch = self.loader_batch or 1
+
+    def _holders(self) -> list[Any]:
+        bs = getattr(self.dl, "batch_sampler", None)
+        holders = []
+        if bs is not None and hasattr(bs, "batch_size"):
+            holders.append(bs)
+            inner = getattr(bs, "batch_sampler", None)
+            if inner is not None and hasattr(inner, "batch_size"):
+                holders.append(inner)
+        return holders
+
+    @property
+    def resizable(self) -> bool:
+        return bool(self._holders())
+
+    @property
+    def loader_batch(self) -> int:
+        h = self._holders()
+        return int(h[-1].batch_size) if h else 0
+
+    def set_loader_batch(self, size: int) -> None:
+        for h in self._holders():
+            h.batch_size = size
+
+    @property
+    def batch_size(self) -> int:
+        return self.loader_batch * self.accumulation
+
+    @property
+    def base_batch_size(self) -> int:
+        return self.base_loader_batch * self.accumulation
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.accumulation * self.cb._splits
+
+    def shrink_global(self) -> tuple[int, int] | None:
+        old = self.loader_batch
+        if not self.resizable or old <= 1:
+            return None
+        self.set_loader_batch(old // 2)
+        self.cb._splits = max(1, min(self.cb._splits, old // 2))
+        return old * self.accumulation, self.batch_size
+
+    def grow_global(self) -> tuple[int, int] | None:
+        old = self.loader_batch
+        if not self.resizable or old >= self.base_loader_batch:
+            return None
+        self.set_loader_batch(min(self.base_loader_batch, old * 2))
+        return old * self.accumulation, self.batch_size
+
+    def shrink_micro(self) -> tuple[int, int] | None:
+        size = self.loader_batch or self.cb._last_micro
+        old = -(-size // self.cb._splits) if size else 0
+        if old <= 1:
+            return None
+        self.cb._splits *= 2
+        return old, -(-size // self.cb._splits)
+
+
+class _CheckpointTier:
+    """The Trainer's own ``checkpoint-*`` folders as the rollback disk tier. A checkpoint becomes
+    restorable once the step right after it was healthy (like an in-memory snapshot); one followed
+    by an unstable step is never used."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []  # {"step", "tested", "bad"}
+
+    def saved(self, step: int) -> None:
+        self.entries = [e for e in self.entries if e["step"] != step]
+        self.entries.append({"step": step, "tested": False, "bad": False})
+
+    def observe(self, step: int, healthy: bool) -> None:
+        for e in self.entries:
+            if e["tested"] or e["bad"] or step <= e["step"]:
+                continue
+            e["tested"] = healthy
+            e["bad"] = not healthy
+
+    def candidates(self) -> list[int]:
+        return sorted((e["step"] for e in self.entries if e["tested"] and not e["bad"]), reverse=True)
+
+    def forget(self, step: int) -> None:
+        self.entries = [e for e in self.entries if e["step"] != step]
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [dict(e) for e in self.entries]
+
+    def load_state_dict(self, state: list[dict[str, Any]] | None) -> None:
+        self.entries = [dict(e) for e in (state or [])]
+
+
 class GradGuardCallback(TrainerCallback, ExportableState):
     """gradguard inside an unmodified ``transformers.Trainer``.
 
@@ -129,6 +315,17 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self._window_losses: list[float] = []
         self._dataloader: Any = None
         self._halted = False
+        self._trainer: Any = None
+        self._args: Any = None
+        self._orig_training_step: Any = None
+        self._had_instance_step = False
+        self._splits = 1  # every micro-batch runs as this many chunks (after an out-of-memory error)
+        self._micro_in_step = 0
+        self._last_micro = 0
+        self._poisoned = False  # an out-of-memory error left this step's gradients half-accumulated
+        self._last_step_loss: float | None = None
+        self._batches: _LoaderBatches | None = None
+        self._ckpts = _CheckpointTier()
 
     # -- helpers ---------------------------------------------------------------------------
     @property
@@ -240,22 +437,173 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         return stacked.sum() if self._sum_semantics else stacked.mean()
 
     # -- actuators -------------------------------------------------------------------------
-    def _shrink_batch(self, action: Action) -> dict[str, Any]:
-        dl = self._dataloader
-        bs_holder = getattr(dl, "batch_sampler", None)
-        if bs_holder is None or type(bs_holder).__name__ == "BatchSamplerShard" or not hasattr(bs_holder, "batch_size"):
-            return {"unavailable": f"train_dataloader.batch_sampler={type(bs_holder).__name__} cannot be resized "
-                                   "live (multi-process runs wrap it in accelerate's BatchSamplerShard)"}
-        old = int(bs_holder.batch_size)
-        new = max(1, old // 2)
-        bs_holder.batch_size = new
-        return {"from": old, "to": new, "note": "takes effect after one batch of look-ahead"}
-
     def _skip_data(self, action: Action) -> dict[str, Any]:
         n = int(action.params.get("batches", 0))
         self._discard_left += n
-        return {"mode": "gradients of the next optimizer steps are discarded (forward/backward still run)",
+        return {"mode": "the batches of the next optimizer steps are drawn but not computed (no forward/backward)",
                 "optimizer_steps": n}
+
+    def _rollback_to_checkpoint(self, action: Action) -> dict[str, Any] | None:
+        """Disk tier: restore the newest healthy ``checkpoint-*`` of this run."""
+        for step in self._ckpts.candidates():
+            path = os.path.join(self._args.output_dir, f"checkpoint-{step}")
+            try:
+                self._load_checkpoint(path)
+            except Exception as exc:  # unreadable or deleted (save_total_limit): try the next older one
+                self._ckpts.forget(step)
+                assert self.core is not None
+                self.core.emit({"type": "snapshot_fallback", "step": action.step, "wanted": step,
+                                 "problems": [f"{path}: {type(exc).__name__}: {exc}"[:300]]})
+                continue
+            return {"to_step": step, "path": path, "source": "checkpoint"}
+        return None
+
+    def _load_checkpoint(self, path: str) -> None:
+        """Restore weights, optimizer state, GradScaler and the guard's detectors from a Trainer
+        checkpoint. Everything is read and checked before anything is changed."""
+        core = self.core
+        assert core is not None
+        if not os.path.isdir(path):
+            raise FileNotFoundError("folder is gone")
+        model = core.model
+        weights = _read_weights(path)
+        own = model.state_dict()
+        unexpected = [k for k in weights if k not in own]
+        if unexpected or not weights:
+            raise ValueError(f"weights do not match the model (unexpected keys {unexpected[:3]})")
+        for k, v in weights.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise ValueError(f"weight {k} has shape {tuple(v.shape)}, the model {tuple(own[k].shape)}")
+        opt_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=True)
+        scaler_state = None
+        if self._scaler is not None and os.path.isfile(os.path.join(path, "scaler.pt")):
+            scaler_state = torch.load(os.path.join(path, "scaler.pt"), map_location="cpu", weights_only=True)
+        sched_state = None
+        restore_schedule = core.config.recovery.restore_schedule
+        sched = self._held.scheduler if self._held is not None else None
+        if restore_schedule and sched is not None and os.path.isfile(os.path.join(path, "scheduler.pt")):
+            sched_state = torch.load(os.path.join(path, "scheduler.pt"), map_location="cpu", weights_only=True)
+        guard_state = None
+        if os.path.isfile(os.path.join(path, STATE_FILE)):
+            with open(os.path.join(path, STATE_FILE), encoding="utf-8") as fh:
+                guard_state = (json.load(fh) or {}).get("guard")
+        # apply
+        with torch.no_grad():
+            for k, v in weights.items():
+                own[k].copy_(v)
+        opt = core.optimizer
+        current = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        opt.load_state_dict(opt_state)
+        for g, kept in zip(opt.param_groups, current):
+            # the guard's own moves (beta2/eps) and, by default, the schedule's position are kept
+            if restore_schedule:
+                kept = {k: v for k, v in kept.items() if k not in ("lr", "initial_lr")}
+            g.update(kept)
+        if scaler_state is not None:
+            self._scaler.load_state_dict(scaler_state)
+        if sched_state is not None:
+            sched.load_state_dict(sched_state)
+        if guard_state and guard_state.get("detectors"):
+            core.detectors.load_state_dict(guard_state["detectors"])
+
+    # -- training_step wrapper (out-of-memory retry, data-window skip without compute) -------------
+    def _wrap_training_step(self, trainer: Any) -> None:
+        self._had_instance_step = "training_step" in vars(trainer)
+        orig = trainer.training_step
+        self._orig_training_step = orig
+
+        def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None, *args: Any, **kwargs: Any) -> Any:
+            return self._guarded_training_step(orig, model, inputs, num_items_in_batch, *args, **kwargs)
+
+        trainer.training_step = training_step
+
+    def _unwrap_training_step(self) -> None:
+        trainer, orig = self._trainer, self._orig_training_step
+        if trainer is None or orig is None:
+            return
+        if self._had_instance_step:
+            trainer.training_step = orig
+        elif "training_step" in vars(trainer):
+            del trainer.training_step
+        self._orig_training_step = None
+
+    def _placeholder_loss(self) -> torch.Tensor:
+        """What a not-computed micro-batch reports to the Trainer's loss log: the last healthy
+        step's loss, spread over the step's micro-batches (so the logged loss stays truthful)."""
+        tr = self._trainer
+        g = getattr(tr, "current_gradient_accumulation_steps", None) or tr.args.gradient_accumulation_steps
+        v = self._last_step_loss if self._last_step_loss is not None else 0.0
+        return torch.tensor(v / max(1, g), device=tr.args.device)
+
+    def _guarded_training_step(self, orig: Any, model: Any, inputs: Any, num_items_in_batch: Any,
+                               *args: Any, **kwargs: Any) -> Any:
+        core = self.core
+        if core is None:
+            return orig(model, inputs, num_items_in_batch, *args, **kwargs)
+        if self._discard_left > 0 or self._poisoned:
+            return self._placeholder_loss()  # this step's data is skipped: no forward, no backward
+        first = self._micro_in_step == 0
+        self._micro_in_step += 1
+        size = _batch_of(inputs)
+        self._last_micro = size or self._last_micro
+        while True:
+            start = len(self._losses)
+            try:
+                return self._run_chunks(orig, model, inputs, num_items_in_batch, *args, **kwargs)
+            except torch.OutOfMemoryError as exc:
+                touched = len(self._losses) > start  # a forward finished: backward may have touched grads
+                del self._losses[start:]
+                old = -(-size // self._splits) if size else 0
+                if old <= 1 or getattr(self._args, "world_size", 1) > 1:
+                    raise  # nothing left to split; or several processes, which must stay in lockstep
+                message = f"{type(exc).__name__}: {exc}"[:160]
+            # outside the except block, so the failed attempt's tensors can be freed
+            import gc
+
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._splits *= 2
+            params: dict[str, Any] = {"micro_batch": [old, -(-size // self._splits)], "splits": self._splits}
+            step = core.step_count + 1
+            if touched and not first:
+                # earlier micro-batches' gradients are mixed with a half-finished backward
+                drop_grads(self._params)
+                self._poisoned = True
+                core.record(Action("oom_shrink_micro", step, f"out of memory during backward ({message}): the "
+                                   "step's gradients are dropped and the step skipped", {**params, "step_skipped": True}))
+                return self._placeholder_loss()
+            if touched:
+                drop_grads(self._params)  # first micro-batch of the step: nothing else is lost
+            core.record(Action("oom_shrink_micro", step, f"out of memory ({message}): the same samples are "
+                               "retried in smaller chunks", {**params, "retried": True}))
+
+    def _run_chunks(self, orig: Any, model: Any, inputs: Any, num_items_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        tr = self._trainer
+        attr = "current_gradient_accumulation_steps"
+        chunks = _split_inputs(inputs, self._splits) if self._splits > 1 and hasattr(tr, attr) else []
+        if len(chunks) <= 1:
+            return orig(model, inputs, num_items_in_batch, *args, **kwargs)
+        total = sum(n for _, n in chunks)
+        g = getattr(tr, attr)
+        start = len(self._losses)
+        out = None
+        try:
+            for chunk, n in chunks:
+                # mean-loss semantics: each chunk weighs n / total of the micro-batch (the Trainer
+                # divides by this attribute); with num_items_in_batch the loss is already exact
+                setattr(tr, attr, g * total / n)
+                r = orig(model, chunk, num_items_in_batch, *args, **kwargs)
+                out = r if out is None else out + r
+        finally:
+            setattr(tr, attr, g)
+        vals = self._losses[start:]
+        if len(vals) == len(chunks):
+            if self._sum_semantics:
+                self._losses[start:] = [torch.stack(vals).sum()]
+            else:
+                self._losses[start:] = [sum(v * (n / total) for v, (_, n) in zip(vals, chunks))]
+        return out
 
     # -- Trainer events --------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -279,11 +627,17 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         out_dir = self.out_dir or cfg.output.dir or args.output_dir
         self.core = GuardCore(model, unwrap_optimizer(optimizer), config=cfg, sinks=list(self.user_sinks), out_dir=out_dir,
                               scheduler=lr_scheduler, scaler=scaler, reduce=self._reduce())
-        self.core.register_actuator("shrink_batch", self._shrink_batch)
         self.core.register_actuator("skip_data", self._skip_data)
+        self.core.add_rollback_source(self._rollback_to_checkpoint)
         self._scaler = scaler
+        self._args = args
         self._params = [p for p in model.parameters()]
         self._dataloader = train_dataloader
+        self._batches = _LoaderBatches(self, train_dataloader, args.gradient_accumulation_steps)
+        self.core.attach_batches(self._batches)
+        self._trainer = _find_trainer()
+        if self._trainer is not None:
+            self._wrap_training_step(self._trainer)
         self._held = _HeldScheduler(lr_scheduler)
         self._hook = model.register_forward_hook(self._forward_hook, with_kwargs=True)
         args.max_grad_norm = math.inf  # keep unscaling + measuring in the Trainer, never its clipping
@@ -310,10 +664,14 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             return
         self.core.load_state_dict(saved["guard"])
         self._discard_left = int(saved.get("discard_left", 0))
+        self._splits = int(saved.get("splits", 1))
+        self._last_step_loss = saved.get("last_step_loss")
+        self._ckpts.load_state_dict(saved.get("checkpoints"))
         bs = saved.get("batch_size")
-        holder = getattr(self._dataloader, "batch_sampler", None)
-        if bs and holder is not None and hasattr(holder, "batch_size") and holder.batch_size != bs:
-            holder.batch_size = bs
+        if self._batches is not None and self._batches.resizable:
+            self._batches.base_loader_batch = int(saved.get("base_batch_size") or self._batches.base_loader_batch)
+            if bs and self._batches.loader_batch != bs:
+                self._batches.set_loader_batch(int(bs))
         if self.core.snapshots is not None:  # the resumed weights are the rollback target until the next one
             self.core.take_snapshot(self.core.step_count)
         self.core.emit({"type": "resume", "step": state.global_step, "restored": True,
@@ -324,10 +682,14 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if core is None:
             return
         loss = self._take_step_loss()
-        if self._discard_left > 0:  # a data window skipped after a rollback: its gradients never apply
-            self._discard_left -= 1
-            for p in self._params:
-                p.grad = None
+        self._micro_in_step = 0
+        if self._discard_left > 0 or self._poisoned:
+            # a data window skipped after a rollback, or a step broken by an out-of-memory error
+            if self._poisoned:
+                self._poisoned = False
+            else:
+                self._discard_left -= 1
+            drop_grads(self._params)
             self._held.hold()
             self._report = None
             core.discard_step()
@@ -344,6 +706,9 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             control.should_training_stop = True
             control.should_save = True
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._micro_in_step = 0
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         core = self.core
         if core is None:
@@ -353,6 +718,12 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         report = self._report
         self._report = None
         if report is not None:
+            keep = core.scale_to_keep(report)
+            if keep is not None and getattr(self._scaler, "_scale", None) is not None:
+                self._scaler._scale.fill_(keep)  # the Trainer's scaler.update() halved it once more
+            self._ckpts.observe(state.global_step, report.healthy)
+            if report.applied and report.loss is not None and math.isfinite(report.loss):
+                self._last_step_loss = report.loss
             core.after_step(report)
             self.reports.append(report)
             if len(self.reports) > 1000:
@@ -392,6 +763,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             return
         ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if os.path.isdir(ckpt):
+            self._ckpts.saved(state.global_step)
             with open(os.path.join(ckpt, STATE_FILE), "w", encoding="utf-8") as fh:
                 json.dump(self._export(), fh)
             if self.diagnosis is not None:
@@ -426,6 +798,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             raise GradGuardHalt(self.diagnosis or {})
 
     def _teardown(self) -> None:
+        self._unwrap_training_step()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -439,9 +812,12 @@ class GradGuardCallback(TrainerCallback, ExportableState):
     def _export(self) -> dict[str, Any]:
         if self.core is None:
             return {}
-        holder = getattr(self._dataloader, "batch_sampler", None)
+        b = self._batches
         return {"guard": self.core.state_dict(), "discard_left": self._discard_left,
-                "batch_size": getattr(holder, "batch_size", None)}
+                "batch_size": b.loader_batch if b is not None and b.resizable else None,
+                "base_batch_size": b.base_loader_batch if b is not None else None,
+                "splits": self._splits, "last_step_loss": self._last_step_loss,
+                "checkpoints": self._ckpts.state_dict()}
 
     def state(self) -> dict[str, Any]:
         """``ExportableState``: saved into ``trainer_state.json`` with every checkpoint."""

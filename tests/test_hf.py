@@ -226,6 +226,9 @@ def test_skip_data_window_and_shrink_batch(tmp_path):
     assert not torch.equal(probe.wte[8], probe.wte[7])
     assert probe.sched[2:7] == [3, 3, 3, 3, 3]  # the schedule holds during skipped steps
     assert tr.state.global_step == 9  # counters keep moving
+    assert len(probe.batch_sizes) == 9 - 2  # the window's batches were drawn but never computed
+    logged = {h["step"]: h["loss"] for h in train_logs(tr)}
+    assert logged[6] == logged[7] == pytest.approx(cb.reports[2].loss, rel=1e-3)  # last healthy loss (step 3)
 
 
 def test_halt_stops_saves_and_raises_with_a_diagnosis(tmp_path):

@@ -1,0 +1,189 @@
+"""GradGuardCallback recovery paths inside a real transformers.Trainer: out-of-memory retries,
+batch shrink/grow, micro-batch splitting, checkpoint-* as the rollback disk tier, fp16 scale freeze."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import TrainerCallback  # noqa: E402
+
+from gradguard.hf import GradGuardCallback  # noqa: E402
+from tests.test_hf import Probe, _one_thread, cfg, inject, make_trainer, tiny_gpt2, train_logs  # noqa: E402,F401
+
+
+def no_dropout():
+    model = tiny_gpt2()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0  # chunks draw other dropout masks: compare runs without dropout
+    return model
+
+
+def events(tmp_path) -> list[dict]:
+    path = tmp_path / "out" / "gradguard" / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def oom_above(model, limit: int, when=lambda: True):
+    """A forward pre-hook that raises torch.OutOfMemoryError for micro-batches larger than ``limit``."""
+    calls = {"n": 0}
+
+    def hook(module, args, kwargs):
+        if module.training and kwargs["input_ids"].shape[0] > limit and when():
+            calls["n"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return calls
+
+
+@pytest.mark.parametrize("loss_kwargs", [True, False])
+def test_oom_in_forward_retries_the_same_samples_in_chunks(tmp_path, loss_kwargs):
+    plain = make_trainer(tmp_path / "a", steps=4, gradient_accumulation_steps=2, model=no_dropout())
+    plain.model_accepts_loss_kwargs = loss_kwargs
+    plain.train()
+
+    probe = Probe()
+    cb = GradGuardCallback(config=cfg(tmp_path, "monitor"))
+    tr = make_trainer(tmp_path / "b", [cb, probe], steps=4, gradient_accumulation_steps=2, model=no_dropout())
+    tr.model_accepts_loss_kwargs = loss_kwargs  # sum (num_items_in_batch) vs mean-per-micro-batch losses
+    calls = oom_above(tr.model, 2)
+    tr.train()  # no restart: the Trainer's loop never sees the error
+    assert calls["n"] == 1 and cb._splits == 2
+    assert set(probe.batch_sizes) == {2} and len(probe.batch_sizes) == 4 * 2 * 2
+    # the same samples, equally weighted: the run matches the one that never ran out of memory
+    for a, b in zip(train_logs(plain), train_logs(tr)):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+        assert b["gradguard/loss"] == pytest.approx(a["loss"], rel=1e-4)
+    for p, q in zip(plain.model.parameters(), tr.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-4)
+    acts = [e for e in events(tmp_path / "b") if e["type"] == "action"]
+    assert [a["name"] for a in acts] == ["oom_shrink_micro"]
+    assert acts[0]["params"]["micro_batch"] == [4, 2] and acts[0]["params"]["retried"]
+    assert "training_step" not in vars(tr)  # the wrapper is gone after train()
+
+
+def test_oom_during_backward_mid_accumulation_skips_that_step(tmp_path):
+    probe = Probe()
+    cb = GradGuardCallback(config=cfg(tmp_path))
+    tr = make_trainer(tmp_path, [cb, probe], steps=5, gradient_accumulation_steps=2)
+    state = {"micro": 0, "fired": False}
+
+    class Count(TrainerCallback):
+        def on_step_begin(self, args, s, control, **kw):
+            state["micro"] = 0
+
+    def fwd(module, args, kwargs):
+        if module.training:
+            state["micro"] += 1
+
+    def bwd(module, grad_output):
+        if tr.state.global_step + 1 == 3 and state["micro"] == 2 and not state["fired"]:
+            state["fired"] = True
+            raise torch.OutOfMemoryError("CUDA out of memory (injected in backward)")
+
+    tr.add_callback(Count())
+    tr.model.register_forward_pre_hook(fwd, with_kwargs=True)
+    tr.model.transformer.h[0].register_full_backward_pre_hook(bwd)
+    tr.train()
+    assert state["fired"] and cb._splits == 2
+    assert torch.equal(probe.wte[3], probe.wte[2])  # the half-accumulated step 3 never applied
+    assert probe.adam_step[:4] == [1.0, 2.0, 2.0, 3.0]
+    assert probe.sched[:4] == [1, 2, 2, 3]
+    assert tr.state.global_step == 5 and cb.core.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in tr.model.parameters())
+    act = next(e for e in events(tmp_path) if e["type"] == "action")
+    assert act["name"] == "oom_shrink_micro" and act["params"]["step_skipped"]
+
+
+def test_batch_shrinks_with_linear_lr_scaling_and_grows_back_under_a_tight_clip(tmp_path):
+    probe = Probe()
+    conf = cfg(tmp_path, policy={"ladder": [["shrink_batch"]]},
+               recovery={"snapshot_interval": 0, "grow_after": 3, "grow_clip": 0.1, "grow_clip_steps": 2})
+    cb = GradGuardCallback(config=conf)
+    tr = make_trainer(tmp_path, [cb, probe], steps=12)
+    inject(tr, {4: 4.0, 5: 4.0})
+    tr.train()
+    acts = {a.name: (r.step, a) for r in cb.reports for a in r.actions}
+    shrink_at, shrink = acts["shrink_batch"]
+    grow_at, grow = acts["grow_batch"]
+    assert shrink_at == 5 and shrink.params["batch"] == [4, 2] and shrink.params["lr_scale"] == 0.5
+    assert grow.params["batch"] == [2, 4] and grow_at == 5 + 3  # after three healthy steps (6, 7, 8)
+    for s in range(6, grow_at + 1):  # linear scaling: half the batch, half the LR, inside the step only
+        assert probe.eff_lr[s] / probe.sched_lr[s] == pytest.approx(0.5)
+    assert probe.eff_lr[grow_at + 1] / probe.sched_lr[grow_at + 1] == pytest.approx(1.0)
+    for s in (grow_at + 1, grow_at + 2):  # max_grad_norm held at 0.1 after growing back
+        assert probe.grad_norm_at_step[s] <= 0.1 + 1e-5
+    sizes = probe.batch_sizes
+    assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4  # the loader really changed, both ways
+    assert tr.state.global_step == 12
+
+
+def test_micro_mode_splits_micro_batches_and_keeps_the_global_batch(tmp_path):
+    probe = Probe()
+    conf = cfg(tmp_path, policy={"ladder": [["shrink_batch"]]},
+               recovery={"snapshot_interval": 0, "shrink_mode": "micro"})
+    cb = GradGuardCallback(config=conf)
+    tr = make_trainer(tmp_path, [cb, probe], steps=8)
+    inject(tr, {4: 4.0, 5: 4.0})
+    tr.train()
+    act = next(a for r in cb.reports for a in r.actions if a.name == "shrink_batch")
+    assert act.params["micro_batch"] == [4, 2] and act.params["accumulation"] == 2
+    assert probe.batch_sizes[:5] == [4] * 5 and probe.batch_sizes[-6:] == [2] * 6  # 2 chunks per step
+    assert tr.callback_handler.train_dataloader.batch_sampler.batch_size == 4  # global batch kept
+    assert probe.eff_lr[7] == pytest.approx(probe.sched_lr[7])  # no LR scaling in micro mode
+
+
+def test_rollback_from_the_trainers_checkpoint_when_no_snapshot_is_kept(tmp_path):
+    from safetensors.torch import load_file
+
+    probe = Probe()
+    conf = cfg(tmp_path, recovery={"snapshot_interval": 0})  # no host-memory copies: the big-model setting
+    cb = GradGuardCallback(config=conf)
+    tr = make_trainer(tmp_path, [cb, probe], steps=10, save_strategy="steps", save_steps=3)
+    inject(tr, {7: 4.0, 8: 4.0})
+    tr.train()
+    rep = {r.step: r for r in cb.reports}
+    rb = next(a for a in rep[8].actions if a.name == "rollback")
+    # checkpoint-6 was followed by the spike at step 7, so it is not trusted: checkpoint-3 is
+    to = rb.params["to_step"]
+    assert to == 3
+    assert rb.params["source"] == "checkpoint" and rb.params["path"].endswith(f"checkpoint-{to}")
+    saved = load_file(str(tmp_path / "out" / f"checkpoint-{to}" / "model.safetensors"))
+    assert torch.equal(probe.wte[8], saved["transformer.wte.weight"])  # restored bitwise
+    assert probe.adam_step[7] == float(to)  # optimizer state of the checkpoint
+    assert tr.state.global_step == 10 and all(torch.isfinite(p).all() for p in tr.model.parameters())
+
+
+def test_fp16_overflow_streak_freezes_the_loss_scale(tmp_path):
+    cb = GradGuardCallback(config=cfg(tmp_path))
+    tr = make_trainer(tmp_path, [cb], steps=10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    acc = tr.accelerator
+    acc.scaler = scaler
+    acc.unscale_gradients = lambda optimizer=None: scaler.unscale_(tr.optimizer.optimizer)
+    p = tr.model.transformer.h[1].mlp.c_fc.weight
+
+    def poison(g):  # an overflow the scale cannot cure (it comes from the forward/backward, not the scale)
+        return g * float("inf") if 3 <= tr.state.global_step + 1 <= 9 else g
+
+    p.register_hook(poison)
+    scales = []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            scales.append(scaler.get_scale())
+
+    tr.add_callback(Watch())
+    tr.train()
+    rep = {r.step: r for r in cb.reports}
+    assert all(rep[s].overflow and rep[s].skipped for s in range(3, 10))
+    assert "overflow_streak" in [f.kind for f in rep[7].findings]
+    assert scales[2:6] == [512.0, 256.0, 128.0, 64.0]  # the scaler halves while the cause may be the scale
+    assert scales[6:9] == [64.0, 64.0, 64.0]  # from the streak on, gradguard keeps it
+    assert rep[10].applied and not rep[10].overflow
