@@ -187,3 +187,28 @@ def test_fp16_overflow_streak_freezes_the_loss_scale(tmp_path):
     assert scales[2:6] == [512.0, 256.0, 128.0, 64.0]  # the scaler halves while the cause may be the scale
     assert scales[6:9] == [64.0, 64.0, 64.0]  # from the streak on, gradguard keeps it
     assert rep[10].applied and not rep[10].overflow
+
+
+def test_ddp_fault_on_one_rank_gives_identical_actions_weights_and_batch_sizes(tmp_path):
+    """Two processes (gloo, CPU) under torchrun; the loss fault exists on rank 1 only."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           os.path.join(root, "tests", "hf_ddp_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["world"] == 2 and r0["sampler"] == "BatchSamplerShard"
+    assert r0["actions"] == r1["actions"] == [[5, "rollback"], [5, "skip_data"], [5, "shrink_batch"]]
+    assert r0["skipped"] == r1["skipped"] == [4, 5]
+    assert r0["weights"] == r1["weights"]  # parameters identical on both ranks
+    assert r0["sizes"] == r1["sizes"]  # skipped window (step 6) not computed; halved batch afterwards
+    assert r0["sizes"][:5] == [4] * 5 and r0["sizes"][-1] == 2 and len(r0["sizes"]) == 8 - 1

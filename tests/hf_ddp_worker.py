@@ -1,0 +1,56 @@
+"""Worker for tests/test_hf_recovery.py::test_ddp_*: one rank of a 2-process CPU (gloo) HF Trainer
+run. A loss fault on rank 1 only; writes what this rank saw to <out>/rank<R>.json."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+import gradguard as gg  # noqa: E402
+from gradguard.hf import GradGuardCallback  # noqa: E402
+from tests.test_hf import ByteDataset, tiny_gpt2  # noqa: E402
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    conf = gg.GuardConfig.preset("default", output={"console": False},
+                                 policy={"ladder": [["rollback", "shrink_batch"]]},
+                                 recovery={"skip_batches": 1})
+    cb = GradGuardCallback(config=conf)
+    args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], max_steps=8, per_device_train_batch_size=4,
+                             learning_rate=2e-3, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
+                             data_seed=0, dataloader_num_workers=0, ddp_backend="gloo")
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=ByteDataset(), callbacks=[cb])
+    sizes: list[int] = []
+
+    def hook(module, a, kwargs, output):
+        if module.training and torch.is_grad_enabled():
+            sizes.append(int(kwargs["input_ids"].shape[0]))
+            if rank == 1 and trainer.state.global_step + 1 in (4, 5):
+                output.loss = output.loss * 4.0
+        return output
+
+    trainer.model.register_forward_hook(hook, with_kwargs=True)
+    trainer.train()
+    digest = hashlib.sha256()
+    for p in trainer.model.parameters():
+        digest.update(p.detach().cpu().numpy().tobytes())
+    res = {"rank": rank, "world": trainer.args.world_size,
+           "actions": [[r.step, a.name] for r in cb.reports for a in r.actions],
+           "skipped": [r.step for r in cb.reports if r.skipped], "sizes": sizes, "weights": digest.hexdigest(),
+           "sampler": type(trainer.callback_handler.train_dataloader.batch_sampler).__name__}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(res, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
