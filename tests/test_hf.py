@@ -58,9 +58,10 @@ def make_trainer(tmp_path, callbacks=(), steps: int = 8, model=None, **kw) -> Tr
     defaults = dict(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=steps,
                     per_device_train_batch_size=4, learning_rate=2e-3, logging_steps=1, save_strategy="no",
                     disable_tqdm=True, seed=0, data_seed=0, dataloader_num_workers=0)
+    eval_dataset = kw.pop("eval_dataset", None)
     defaults.update(kw)
     return Trainer(model=model or tiny_gpt2(), args=TrainingArguments(**defaults), train_dataset=ByteDataset(),
-                   callbacks=list(callbacks))
+                   eval_dataset=eval_dataset, callbacks=list(callbacks))
 
 
 def inject(trainer: Trainer, at: dict[int, float]) -> None:
@@ -341,3 +342,37 @@ def test_validation_errors_name_field_value_and_fix(tmp_path):
         tr.train()
     with pytest.raises(TypeError, match="GuardConfig"):
         GradGuardCallback(config=42)
+
+
+SCHEDULERS = {
+    "linear": {}, "cosine": {}, "cosine_with_restarts": {"num_cycles": 2}, "polynomial": {"power": 2.0},
+    "constant": {}, "constant_with_warmup": {}, "inverse_sqrt": {}, "cosine_with_min_lr": {"min_lr": 1e-4},
+    "warmup_stable_decay": {"num_decay_steps": 3}, "reduce_lr_on_plateau": {"patience": 0, "factor": 0.5},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEDULERS))
+def test_lr_multiplier_holds_under_every_hf_scheduler(tmp_path, kind):
+    probe = Probe()
+    cb = GradGuardCallback(config=cfg(tmp_path))
+
+    class Lower(TrainerCallback):  # the state after a lower_lr x0.3 (runs after gradguard's on_train_begin)
+        def on_train_begin(self, args, state, control, **kw):
+            cb.core.lr.global_mult = 0.3
+
+    extra = {}
+    if kind == "reduce_lr_on_plateau":
+        extra = dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8, eval_dataset=ByteDataset(16))
+    try:
+        tr = make_trainer(tmp_path, [cb, Lower(), probe], steps=8, lr_scheduler_type=kind, warmup_steps=2,
+                          lr_scheduler_kwargs=SCHEDULERS[kind], **extra)
+    except ValueError as exc:  # not in this transformers version
+        pytest.skip(str(exc)[:100])
+    tr.train()
+    seen = [s for s in probe.eff_lr if probe.sched_lr[s] > 0]
+    assert len(seen) >= 6
+    for s in seen:  # x0.3 inside every optimizer step, whatever the schedule did
+        assert probe.eff_lr[s] == pytest.approx(0.3 * probe.sched_lr[s], rel=1e-6)
+    # the schedule itself is untouched: between steps the optimizer holds the scheduler's value
+    assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(tr.lr_scheduler.get_last_lr()[0])
+    assert len({round(probe.sched_lr[s], 9) for s in seen}) > 1 or kind in ("constant", "reduce_lr_on_plateau")
