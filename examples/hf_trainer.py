@@ -6,6 +6,7 @@ a big batch, no clipping (max_grad_norm=0). Unguarded it diverges; guarded it re
 
     python examples/hf_trainer.py --no-guard      # unguarded
     python examples/hf_trainer.py                 # guarded
+    python examples/hf_trainer.py --compare       # both, one after the other
     python examples/hf_trainer.py --overhead      # monitor-mode step time vs no callback
 """
 
@@ -86,29 +87,41 @@ def overhead(steps: int, rounds: int) -> None:
     print(f"median step: no callback {ma * 1e3:.1f} ms, monitor {mb * 1e3:.1f} ms, ratio {mb / ma:.3f}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--out", default=None, help="output_dir (default: a temporary folder)")
-    p.add_argument("--overhead", action="store_true", help="measure monitor-mode overhead instead")
-    a = p.parse_args()
-    hf_logging.set_verbosity_error()
-    torch.set_num_threads(1)  # tiny model: one thread is fastest on a shared CPU
-    if a.overhead:
-        overhead(steps=30, rounds=3)
-        return
+def run(guard: bool, steps: int, lr: float, out: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        out = a.out or tmp
-        callbacks = [GradGuardCallback()] if a.guard else []   # <- the one-line change
-        trainer = build(out, a.steps, a.lr, callbacks)
+        callbacks = [GradGuardCallback()] if guard else []   # <- the one-line change
+        trainer = build(out or tmp, steps, lr, callbacks)
         t0 = time.time()
         trainer.train()
         peak = max((h["loss"] for h in trainer.state.log_history if "loss" in h), default=float("nan"))
         ev = trainer.evaluate()["eval_loss"]
-        print(f"{'guarded' if a.guard else 'unguarded'}: final eval loss {ev:.3f}, "
-              f"peak logged train loss {peak:.3f}, {time.time() - t0:.0f}s")
+        actions = callbacks[0].summary["actions"] if guard else {}
+    return {"eval_loss": ev, "peak_train_loss": peak, "seconds": time.time() - t0, "actions": actions}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--compare", action="store_true", help="unguarded and guarded, one after the other")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--out", default=None, help="output_dir (default: a temporary folder)")
+    p.add_argument("--overhead", action="store_true", help="measure monitor-mode overhead instead")
+    a = p.parse_args(argv)
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(1)  # tiny model: one thread is fastest on a shared CPU
+    if a.overhead:
+        overhead(steps=30, rounds=3)
+        return {}
+    kinds = [False, True] if a.compare else [a.guard]
+    res = {}
+    for guard in kinds:
+        name = "guarded" if guard else "unguarded"
+        r = res[name] = run(guard, a.steps, a.lr, a.out)
+        acts = ", ".join(f"{k} x{v}" for k, v in r["actions"].items()) or "-"
+        print(f"{name:9s}: final eval loss {r['eval_loss']:.3f}, peak logged train loss {r['peak_train_loss']:.3f}, "
+              f"{r['seconds']:.0f}s, actions: {acts}")
+    return res
 
 
 if __name__ == "__main__":
