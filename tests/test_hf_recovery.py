@@ -189,6 +189,7 @@ def test_fp16_overflow_streak_freezes_the_loss_scale(tmp_path):
     assert rep[10].applied and not rep[10].overflow
 
 
+@pytest.mark.slow
 def test_ddp_fault_on_one_rank_gives_identical_actions_weights_and_batch_sizes(tmp_path):
     """Two processes (gloo, CPU) under torchrun; the loss fault exists on rank 1 only."""
     import os
