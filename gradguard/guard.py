@@ -361,7 +361,7 @@ class GuardCore:
         self.lr.rewarm()
         n_skip = self.config.recovery.skip_batches
         if n_skip and "skip_data" in self.actuators:
-            skip = Action("skip_data", a.step, f"after rollback to step {snap.step}", {"batches": n_skip})
+            skip = Action("skip_data", a.step, f"after rollback to step {out['to_step']}", {"batches": n_skip})
             skip.params.update(self.actuators["skip_data"](skip) or {})
             self._record(skip)
             self._extra_actions.append(skip)

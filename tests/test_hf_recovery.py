@@ -143,7 +143,7 @@ def test_rollback_from_the_trainers_checkpoint_when_no_snapshot_is_kept(tmp_path
     from safetensors.torch import load_file
 
     probe = Probe()
-    conf = cfg(tmp_path, recovery={"snapshot_interval": 0})  # no host-memory copies: the big-model setting
+    conf = cfg(tmp_path, recovery={"snapshot_interval": 0, "skip_batches": 1})  # no host-memory copies
     cb = GradGuardCallback(config=conf)
     tr = make_trainer(tmp_path, [cb, probe], steps=10, save_strategy="steps", save_steps=3)
     inject(tr, {7: 4.0, 8: 4.0})
@@ -157,6 +157,8 @@ def test_rollback_from_the_trainers_checkpoint_when_no_snapshot_is_kept(tmp_path
     saved = load_file(str(tmp_path / "out" / f"checkpoint-{to}" / "model.safetensors"))
     assert torch.equal(probe.wte[8], saved["transformer.wte.weight"])  # restored bitwise
     assert probe.adam_step[7] == float(to)  # optimizer state of the checkpoint
+    assert [a.name for a in rep[8].actions][:2] == ["rollback", "skip_data"]
+    assert torch.equal(probe.wte[9], probe.wte[8])  # step 9: the skipped data window
     assert tr.state.global_step == 10 and all(torch.isfinite(p).all() for p in tr.model.parameters())
 
 

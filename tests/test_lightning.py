@@ -313,14 +313,20 @@ def test_lr_multiplier_holds_with_epoch_and_plateau_schedulers(tmp_path, sched):
 
 
 def test_skip_data_window_after_rollback(tmp_path):
-    m = LitGPT(spike_at={6, 7})
+    m = LitGPT(sched="step", spike_at={6, 7})
     c = cfg(tmp_path, recovery={"snapshot_interval": 2, "confirm_steps": 1, "skip_batches": 2})
     cb = GradGuardCallback(c)
-    fit(m, [cb], tmp_path=tmp_path, steps=10)
+    trainer = fit(m, [cb], tmp_path=tmp_path, steps=10)
     assert cb.data_skipped_steps == 2
     assert torch.equal(m.params[7], m.params[9])  # the two window batches changed nothing
     assert not torch.equal(m.params[9], m.params[10])
-    assert cb.core.step_count == 8  # the guard did not count the window's steps
+    assert len(m.micro_losses) == 8  # the window's batches were not computed (no forward/backward)
+    assert m.rec[9]["adam_step"] == m.rec[7]["adam_step"]  # nor stepped
+    assert m.rec[9]["sched_epoch"] == m.rec[7]["sched_epoch"]  # schedulers held through the window
+    assert m.rec[10]["sched_epoch"] == m.rec[9]["sched_epoch"] + 1
+    assert trainer.global_step == 10
+    assert cb.core.step_count == 10  # the guard counts them as skipped steps: its steps follow global_step
+    assert cb.core.skipped_steps >= 3  # the rollback step and the window
 
 
 def test_resume_restores_guard_state_per_instance(tmp_path):
@@ -349,7 +355,7 @@ def test_resume_restores_guard_state_per_instance(tmp_path):
 def test_fp16_overflows_skip_and_streak_is_found(tmp_path):
     from lightning.pytorch.plugins import MixedPrecision
 
-    m = LitGPT(inf_at={3, 4, 5, 6, 7})
+    m = LitGPT(inf_at={3, 4, 5, 6, 7, 8, 9})
     c = cfg(tmp_path, policy={"ladder": [["lower_lr"]]}, recovery={"snapshot_interval": 0})
     cb = GradGuardCallback(c)
     scales = {}
@@ -358,14 +364,18 @@ def test_fp16_overflows_skip_and_streak_is_found(tmp_path):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             scales[trainer.global_step + 1] = cb.last_report
 
-    trainer = fit(m, [cb, Keep()], tmp_path=tmp_path, steps=9, plugins=[MixedPrecision("16-mixed", "cpu")])
-    assert trainer.precision_plugin.scaler is not None
+    trainer = fit(m, [cb, Keep()], tmp_path=tmp_path, steps=11, plugins=[MixedPrecision("16-mixed", "cpu")])
+    scaler = trainer.precision_plugin.scaler
+    assert scaler is not None
     r = scales
     assert r[2].scale == 65536.0 and not r[2].overflow
-    assert all(r[s].overflow and r[s].skipped for s in (3, 4, 5, 6, 7))
-    assert r[4].scale == r[3].scale / 2
-    assert r[8].applied and not r[8].overflow
-    assert torch.equal(m.params[2], m.params[7])
+    assert all(r[s].overflow and r[s].skipped for s in (3, 4, 5, 6, 7, 8, 9))
+    assert [r[s].scale for s in (4, 5, 6, 7)] == [r[3].scale / 2 ** k for k in (1, 2, 3, 4)]  # the scaler halves
+    # from the 5th overflow in a row (step 7) the halvings evidently cure nothing: the scale is frozen
+    assert r[8].scale == r[9].scale == r[10].scale == r[7].scale == 4096.0
+    assert scaler.get_scale() == 4096.0
+    assert r[10].applied and not r[10].overflow
+    assert torch.equal(m.params[2], m.params[9])
     kinds = [e["kind"] for e in events(cb.core.log_path) if e["type"] == "finding"]
     # a streak is reported; the scaler already skips those steps, so it does not climb the ladder
     assert "overflow_streak" in kinds and cb.core.action_counts["lower_lr"] == 0
@@ -427,7 +437,8 @@ DDP_SCRIPT = textwrap.dedent('''
             return loss
 
     torch.set_num_threads(1)
-    cb = GradGuardCallback(cfg(out, recovery={{"snapshot_interval": 2, "confirm_steps": 1}}))
+    cb = GradGuardCallback(cfg(out, policy={{"ladder": [["rollback", "shrink_batch", "lower_lr", "tighten_clip"]]}},
+                               recovery={{"snapshot_interval": 2, "confirm_steps": 1, "skip_batches": 1}}))
     m = OneRank()
     t = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=10, callbacks=[cb], logger=False,
                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -435,7 +446,9 @@ DDP_SCRIPT = textwrap.dedent('''
     t.fit(m, loader(4, 160))
     res = {{"rank": t.global_rank, "params": flat(m).tolist()[:4000], "sum": float(flat(m).double().sum()),
             "actions": dict(cb.core.action_counts), "skipped": cb.core.skipped_steps,
-            "mult": cb.core.lr.global_mult, "clip": cb.core.clip.max_norm}}
+            "mult": cb.core.lr.global_mult, "clip": cb.core.clip.max_norm, "loader": cb.batches.loader_batch,
+            "batches": t.num_training_batches, "window": cb.data_skipped_steps, "steps": cb.core.step_count,
+            "computed": len(m.micro_losses)}}
     (out / f"rank{{t.global_rank}}.json").write_text(json.dumps(res))
 ''')
 
@@ -453,3 +466,10 @@ def test_ddp_two_ranks_fault_on_one_rank_identical_actions_and_params(tmp_path):
     assert r0["params"] == r1["params"] and r0["sum"] == r1["sum"]
     assert r0["actions"] == r1["actions"] and r0["skipped"] == r1["skipped"] >= 2
     assert r0["actions"].get("rollback") == 1 and r0["mult"] == r1["mult"] < 1
+    # the rollback's rung also halved each rank's loader batch (a BatchSampler over a DistributedSampler):
+    # 8 batches of 4 drawn of 80 samples per rank, 48 left in batches of 2
+    assert r0["actions"].get("shrink_batch") == 1 and r0["loader"] == r1["loader"] == 2
+    assert r0["batches"] == r1["batches"] == 32
+    # the data window after the rollback (1 step) ran no forward on either rank (zero loss under DDP)
+    assert r0["window"] == r1["window"] == 1 and r0["steps"] == r1["steps"] == 10
+    assert r0["computed"] == r1["computed"] == 9
