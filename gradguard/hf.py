@@ -636,7 +636,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self._batches = _LoaderBatches(self, train_dataloader, args.gradient_accumulation_steps)
         self.core.attach_batches(self._batches)
         self._trainer = _find_trainer()
-        if self._trainer is not None:
+        if self._trainer is not None and cfg.policy.act:  # monitor mode changes nothing, OOM handling included
             self._wrap_training_step(self._trainer)
         self._held = _HeldScheduler(lr_scheduler)
         self._hook = model.register_forward_hook(self._forward_hook, with_kwargs=True)
