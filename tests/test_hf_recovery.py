@@ -48,7 +48,7 @@ def test_oom_in_forward_retries_the_same_samples_in_chunks(tmp_path, loss_kwargs
     plain.train()
 
     probe = Probe()
-    cb = GradGuardCallback(config=cfg(tmp_path, "monitor"))
+    cb = GradGuardCallback(config=cfg(tmp_path))  # (monitor mode acts on nothing, OOM errors included)
     tr = make_trainer(tmp_path / "b", [cb, probe], steps=4, gradient_accumulation_steps=2, model=no_dropout())
     tr.model_accepts_loss_kwargs = loss_kwargs  # sum (num_items_in_batch) vs mean-per-micro-batch losses
     calls = oom_above(tr.model, 2)
