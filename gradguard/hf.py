@@ -433,8 +433,17 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             return None
         stacked = torch.stack(self._losses)
         self._losses = []
-        # with num_items_in_batch each micro-batch loss is already divided by the whole step's count
-        return stacked.sum() if self._sum_semantics else stacked.mean()
+        if not self._sum_semantics:
+            return stacked.mean()
+        # with num_items_in_batch each micro-batch loss is already divided by the whole step's count;
+        # with average_tokens_across_devices that count spans every process (the Trainer multiplies
+        # the loss by the process count afterwards; the mean over ranks then gives the true loss)
+        loss = stacked.sum()
+        args = self._args
+        world = int(getattr(args, "world_size", 1) or 1)
+        if world > 1 and getattr(args, "average_tokens_across_devices", False):
+            loss = loss * world
+        return loss
 
     # -- actuators -------------------------------------------------------------------------
     def _skip_data(self, action: Action) -> dict[str, Any]:
@@ -783,6 +792,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if window:
             m["gradguard/loss"] = sum(window) / len(window)  # nan/inf stay visible
             m[NONFINITE_LOSS_STEPS] = float(sum(not math.isfinite(v) for v in window))
+        else:
+            m.pop("gradguard/loss", None)  # no step of this logging window was computed (a skipped data window)
         logs.update(m)
         hist = getattr(state, "log_history", None)
         if hist and hist[-1].get("step") == state.global_step and "loss" in hist[-1]:

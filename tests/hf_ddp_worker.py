@@ -47,7 +47,8 @@ def main(out: str) -> None:
     res = {"rank": rank, "world": trainer.args.world_size,
            "actions": [[r.step, a.name] for r in cb.reports for a in r.actions],
            "skipped": [r.step for r in cb.reports if r.skipped], "sizes": sizes, "weights": digest.hexdigest(),
-           "sampler": type(trainer.callback_handler.train_dataloader.batch_sampler).__name__}
+           "sampler": type(trainer.callback_handler.train_dataloader.batch_sampler).__name__,
+           "logs": [[h["step"], h["loss"], h.get("gradguard/loss")] for h in trainer.state.log_history if "loss" in h]}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(res, fh)
 

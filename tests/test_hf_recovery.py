@@ -215,3 +215,6 @@ def test_ddp_fault_on_one_rank_gives_identical_actions_weights_and_batch_sizes(t
     assert r0["weights"] == r1["weights"]  # parameters identical on both ranks
     assert r0["sizes"] == r1["sizes"]  # skipped window (step 6) not computed; halved batch afterwards
     assert r0["sizes"][:5] == [4] * 5 and r0["sizes"][-1] == 2 and len(r0["sizes"]) == 8 - 1
+    # the guard's loss is the Trainer's (num_items_in_batch counted over both ranks)
+    for step, loss, guard_loss in r0["logs"]:
+        assert (guard_loss is None) if step == 6 else guard_loss == pytest.approx(loss, rel=1e-5)
