@@ -162,6 +162,17 @@ def _read_one(f: str, kind: str) -> dict[str, torch.Tensor]:
     return torch.load(f, map_location="cpu", weights_only=True)
 
 
+def _all_ranks(ok: bool) -> bool:
+    """True when ``ok`` holds on every process (one all-reduce under torch.distributed)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _batch_of(inputs: Any) -> int:
     if hasattr(inputs, "values"):
         for v in inputs.values():
@@ -453,49 +464,62 @@ class GradGuardCallback(TrainerCallback, ExportableState):
                 "optimizer_steps": n}
 
     def _rollback_to_checkpoint(self, action: Action) -> dict[str, Any] | None:
-        """Disk tier: restore the newest healthy ``checkpoint-*`` of this run."""
+        """Disk tier: restore the newest healthy ``checkpoint-*`` of this run. Every process reads
+        the same folder; it is used only if all of them could read it (one all-reduce, at a rollback
+        only: the decision to roll back is the same on every rank)."""
+        assert self.core is not None
         for step in self._ckpts.candidates():
             path = os.path.join(self._args.output_dir, f"checkpoint-{step}")
+            problem = None
             try:
-                self._load_checkpoint(path)
-            except Exception as exc:  # unreadable or deleted (save_total_limit): try the next older one
-                self._ckpts.forget(step)
-                assert self.core is not None
+                loaded = self._read_checkpoint(path)
+            except Exception as exc:  # unreadable or deleted (save_total_limit)
+                loaded, problem = None, f"{path}: {type(exc).__name__}: {exc}"[:300]
+            if not _all_ranks(loaded is not None):
+                self._ckpts.forget(step)  # try the next older one
                 self.core.emit({"type": "snapshot_fallback", "step": action.step, "wanted": step,
-                                 "problems": [f"{path}: {type(exc).__name__}: {exc}"[:300]]})
+                                 "problems": [problem or f"{path}: unreadable on another process"]})
                 continue
+            self._apply_checkpoint(loaded)
             return {"to_step": step, "path": path, "source": "checkpoint"}
         return None
 
-    def _load_checkpoint(self, path: str) -> None:
-        """Restore weights, optimizer state, GradScaler and the guard's detectors from a Trainer
-        checkpoint. Everything is read and checked before anything is changed."""
+    def _read_checkpoint(self, path: str) -> dict[str, Any]:
+        """Read and check everything a Trainer checkpoint holds for a rollback; changes nothing."""
         core = self.core
         assert core is not None
         if not os.path.isdir(path):
             raise FileNotFoundError("folder is gone")
-        model = core.model
         weights = _read_weights(path)
-        own = model.state_dict()
+        own = core.model.state_dict()
         unexpected = [k for k in weights if k not in own]
         if unexpected or not weights:
             raise ValueError(f"weights do not match the model (unexpected keys {unexpected[:3]})")
         for k, v in weights.items():
             if tuple(v.shape) != tuple(own[k].shape):
                 raise ValueError(f"weight {k} has shape {tuple(v.shape)}, the model {tuple(own[k].shape)}")
-        opt_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=True)
-        scaler_state = None
+        out: dict[str, Any] = {"weights": weights, "scaler": None, "scheduler": None, "guard": None,
+                               "optimizer": torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu",
+                                                       weights_only=True)}
         if self._scaler is not None and os.path.isfile(os.path.join(path, "scaler.pt")):
-            scaler_state = torch.load(os.path.join(path, "scaler.pt"), map_location="cpu", weights_only=True)
-        sched_state = None
-        restore_schedule = core.config.recovery.restore_schedule
+            out["scaler"] = torch.load(os.path.join(path, "scaler.pt"), map_location="cpu", weights_only=True)
         sched = self._held.scheduler if self._held is not None else None
-        if restore_schedule and sched is not None and os.path.isfile(os.path.join(path, "scheduler.pt")):
-            sched_state = torch.load(os.path.join(path, "scheduler.pt"), map_location="cpu", weights_only=True)
-        guard_state = None
+        if (core.config.recovery.restore_schedule and sched is not None
+                and os.path.isfile(os.path.join(path, "scheduler.pt"))):
+            out["scheduler"] = torch.load(os.path.join(path, "scheduler.pt"), map_location="cpu", weights_only=True)
         if os.path.isfile(os.path.join(path, STATE_FILE)):
             with open(os.path.join(path, STATE_FILE), encoding="utf-8") as fh:
-                guard_state = (json.load(fh) or {}).get("guard")
+                out["guard"] = (json.load(fh) or {}).get("guard")
+        return out
+
+    def _apply_checkpoint(self, loaded: dict[str, Any]) -> None:
+        core = self.core
+        assert core is not None
+        own = core.model.state_dict()
+        weights, opt_state, scaler_state = loaded["weights"], loaded["optimizer"], loaded["scaler"]
+        sched_state, guard_state = loaded["scheduler"], loaded["guard"]
+        restore_schedule = core.config.recovery.restore_schedule
+        sched = self._held.scheduler if self._held is not None else None
         # apply
         with torch.no_grad():
             for k, v in weights.items():
@@ -768,13 +792,17 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if self.core is None:
             return
         args.max_grad_norm = math.inf
+        self._ckpts.saved(state.global_step)  # on every process: rollback decisions must match
         if not getattr(args, "should_save", True):
             return
         ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if os.path.isdir(ckpt):
-            self._ckpts.saved(state.global_step)
-            with open(os.path.join(ckpt, STATE_FILE), "w", encoding="utf-8") as fh:
+            tmp = os.path.join(ckpt, STATE_FILE + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as fh:
                 json.dump(self._export(), fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, os.path.join(ckpt, STATE_FILE))  # never a half-written state file
             if self.diagnosis is not None:
                 self._write_diagnosis(ckpt)
 

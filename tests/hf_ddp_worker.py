@@ -19,16 +19,24 @@ from gradguard.hf import GradGuardCallback  # noqa: E402
 from tests.test_hf import ByteDataset, tiny_gpt2  # noqa: E402
 
 
-def main(out: str) -> None:
+def main(out: str, mode: str) -> None:
+    """mode "memory": in-memory rollback, skipped window, batch shrink; "checkpoint": rollback to
+    the run's checkpoint-* folders (no in-memory snapshots)."""
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
-    conf = gg.GuardConfig.preset("default", output={"console": False},
-                                 policy={"ladder": [["rollback", "shrink_batch"]]},
-                                 recovery={"skip_batches": 1})
+    if mode == "memory":
+        conf = gg.GuardConfig.preset("default", output={"console": False},
+                                     policy={"ladder": [["rollback", "shrink_batch"]]},
+                                     recovery={"skip_batches": 1})
+        save = dict(save_strategy="no")
+    else:
+        conf = gg.GuardConfig.preset("default", output={"console": False}, policy={"ladder": [["rollback"]]},
+                                     recovery={"snapshot_interval": 0})
+        save = dict(save_strategy="steps", save_steps=2)
     cb = GradGuardCallback(config=conf)
     args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], max_steps=8, per_device_train_batch_size=4,
-                             learning_rate=2e-3, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
-                             data_seed=0, dataloader_num_workers=0, ddp_backend="gloo")
+                             learning_rate=2e-3, logging_steps=1, disable_tqdm=True, seed=0,
+                             data_seed=0, dataloader_num_workers=0, ddp_backend="gloo", **save)
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=ByteDataset(), callbacks=[cb])
     sizes: list[int] = []
 
@@ -46,6 +54,7 @@ def main(out: str) -> None:
         digest.update(p.detach().cpu().numpy().tobytes())
     res = {"rank": rank, "world": trainer.args.world_size,
            "actions": [[r.step, a.name] for r in cb.reports for a in r.actions],
+           "rollback_to": [a.params.get("to_step") for r in cb.reports for a in r.actions if a.name == "rollback"],
            "skipped": [r.step for r in cb.reports if r.skipped], "sizes": sizes, "weights": digest.hexdigest(),
            "sampler": type(trainer.callback_handler.train_dataloader.batch_sampler).__name__,
            "logs": [[h["step"], h["loss"], h.get("gradguard/loss")] for h in trainer.state.log_history if "loss" in h]}
@@ -54,4 +63,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

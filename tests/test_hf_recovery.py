@@ -191,8 +191,7 @@ def test_fp16_overflow_streak_freezes_the_loss_scale(tmp_path):
     assert rep[10].applied and not rep[10].overflow
 
 
-@pytest.mark.slow
-def test_ddp_fault_on_one_rank_gives_identical_actions_weights_and_batch_sizes(tmp_path):
+def run_ddp(tmp_path, mode: str) -> tuple[dict, dict]:
     """Two processes (gloo, CPU) under torchrun; the loss fault exists on rank 1 only."""
     import os
     import socket
@@ -205,11 +204,17 @@ def test_ddp_fault_on_one_rank_gives_identical_actions_weights_and_batch_sizes(t
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           os.path.join(root, "tests", "hf_ddp_worker.py"), str(tmp_path)]
+           os.path.join(root, "tests", "hf_ddp_worker.py"), str(tmp_path), mode]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world"] == 2 and r0["sampler"] == "BatchSamplerShard"
+    return r0, r1
+
+
+@pytest.mark.slow
+def test_ddp_fault_on_one_rank_gives_identical_actions_weights_and_batch_sizes(tmp_path):
+    r0, r1 = run_ddp(tmp_path, "memory")
     assert r0["actions"] == r1["actions"] == [[5, "rollback"], [5, "skip_data"], [5, "shrink_batch"]]
     assert r0["skipped"] == r1["skipped"] == [4, 5]
     assert r0["weights"] == r1["weights"]  # parameters identical on both ranks
@@ -218,3 +223,37 @@ def test_ddp_fault_on_one_rank_gives_identical_actions_weights_and_batch_sizes(t
     # the guard's loss is the Trainer's (num_items_in_batch counted over both ranks)
     for step, loss, guard_loss in r0["logs"]:
         assert (guard_loss is None) if step == 6 else guard_loss == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_ddp_rollback_to_a_checkpoint_folder_on_every_rank(tmp_path):
+    """Only rank 0 writes checkpoints; every rank tracks them and restores the same one."""
+    r0, r1 = run_ddp(tmp_path, "checkpoint")
+    assert r0["actions"] == r1["actions"] and [5, "rollback"] in r0["actions"]
+    assert r0["rollback_to"] == r1["rollback_to"] == [2]  # checkpoint-4 (saved at the spike) is not trusted
+    assert r0["weights"] == r1["weights"]
+
+
+def test_unreadable_checkpoint_falls_back_to_the_next_older_one(tmp_path):
+    probe = Probe()
+    cb = GradGuardCallback(config=cfg(tmp_path, recovery={"snapshot_interval": 0}))
+    tr = make_trainer(tmp_path, [cb, probe], steps=10, save_strategy="steps", save_steps=2)
+
+    class Corrupt(TrainerCallback):  # damage checkpoint-4's weights after it was written and trusted
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 6:
+                f = tmp_path / "out" / "checkpoint-4" / "model.safetensors"
+                f.write_bytes(f.read_bytes()[:1000])
+
+    tr.add_callback(Corrupt())
+    inject(tr, {7: 4.0, 8: 4.0})
+    tr.train()
+    rb = next(a for r in cb.reports for a in r.actions if a.name == "rollback")
+    assert rb.params["to_step"] == 2  # checkpoint-6: followed by the spike; checkpoint-4: unreadable
+    fb = [e for e in events(tmp_path) if e["type"] == "snapshot_fallback"]
+    assert len(fb) == 1 and fb[0]["wanted"] == 4 and "checkpoint-4" in fb[0]["problems"][0]
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "out" / "checkpoint-2" / "model.safetensors"))
+    assert torch.equal(probe.wte[8], saved["transformer.wte.weight"])
+    assert tr.state.global_step == 10 and all(torch.isfinite(p).all() for p in tr.model.parameters())
