@@ -437,14 +437,30 @@ DDP_SCRIPT = textwrap.dedent('''
             return loss
 
     torch.set_num_threads(1)
-    cb = GradGuardCallback(cfg(out, policy={{"ladder": [["rollback", "shrink_batch", "lower_lr", "tighten_clip"]]}},
-                               recovery={{"snapshot_interval": 2, "confirm_steps": 1, "skip_batches": 1}}))
+    extra = []
+    if {mode!r} == "memory":
+        cb = GradGuardCallback(cfg(out, policy={{"ladder": [["rollback", "shrink_batch", "lower_lr", "tighten_clip"]]}},
+                                   recovery={{"snapshot_interval": 2, "confirm_steps": 1, "skip_batches": 1}}))
+    else:  # rollback to ModelCheckpoint files (written by rank 0, read by every rank)
+        from lightning.pytorch.callbacks import ModelCheckpoint
+        cb = GradGuardCallback(cfg(out, policy={{"ladder": [["rollback", "lower_lr"]]}},
+                                   recovery={{"snapshot_interval": 0, "confirm_steps": 1}}))
+        extra = [ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=2, save_top_k=-1)]
+    rollbacks = {{}}
+
+    class Rec(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            r = cb.last_report
+            for a in (r.actions if r is not None else []):
+                if a.name == "rollback":
+                    rollbacks[r.step] = a.params.get("to_step")
+
     m = OneRank()
-    t = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=10, callbacks=[cb], logger=False,
-                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                  default_root_dir=str(out))
+    t = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=10, callbacks=[cb, Rec()] + extra,
+                  logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  enable_checkpointing=bool(extra), default_root_dir=str(out))
     t.fit(m, loader(4, 160))
-    res = {{"rank": t.global_rank, "params": flat(m).tolist()[:4000], "sum": float(flat(m).double().sum()),
+    res = {{"rank": t.global_rank, "rollbacks": rollbacks, "params": flat(m).tolist()[:4000], "sum": float(flat(m).double().sum()),
             "actions": dict(cb.core.action_counts), "skipped": cb.core.skipped_steps,
             "mult": cb.core.lr.global_mult, "clip": cb.core.clip.max_norm, "loader": cb.batches.loader_batch,
             "batches": t.num_training_batches, "window": cb.data_skipped_steps, "steps": cb.core.step_count,
@@ -453,16 +469,28 @@ DDP_SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.slow
-def test_ddp_two_ranks_fault_on_one_rank_identical_actions_and_params(tmp_path):
+def run_ddp(tmp_path, mode: str) -> tuple[dict, dict]:
     script = tmp_path / "ddp_run.py"
-    script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(__file__), out=str(tmp_path)))
+    script.write_text(DDP_SCRIPT.format(tests=os.path.dirname(__file__), out=str(tmp_path), mode=mode))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    return tuple(json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))  # type: ignore[return-value]
+
+
+@pytest.mark.slow
+def test_ddp_rollback_from_a_model_checkpoint_file_on_every_rank(tmp_path):
+    r0, r1 = run_ddp(tmp_path, "checkpoint")
+    assert r0["rollbacks"] == r1["rollbacks"] and r0["rollbacks"]  # the same file restored on both ranks
+    assert all(to is not None and to % 2 == 0 for to in r0["rollbacks"].values())
+    assert r0["params"] == r1["params"] and r0["sum"] == r1["sum"]
+    assert r0["actions"] == r1["actions"]
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_fault_on_one_rank_identical_actions_and_params(tmp_path):
+    r0, r1 = run_ddp(tmp_path, "memory")
     assert r0["params"] == r1["params"] and r0["sum"] == r1["sum"]
     assert r0["actions"] == r1["actions"] and r0["skipped"] == r1["skipped"] >= 2
     assert r0["actions"].get("rollback") == 1 and r0["mult"] == r1["mult"] < 1
