@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -520,7 +521,6 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         sched_state, guard_state = loaded["scheduler"], loaded["guard"]
         restore_schedule = core.config.recovery.restore_schedule
         sched = self._held.scheduler if self._held is not None else None
-        # apply
         with torch.no_grad():
             for k, v in weights.items():
                 own[k].copy_(v)
@@ -591,8 +591,6 @@ class GradGuardCallback(TrainerCallback, ExportableState):
                     raise  # nothing left to split; or several processes, which must stay in lockstep
                 message = f"{type(exc).__name__}: {exc}"[:160]
             # outside the except block, so the failed attempt's tensors can be freed
-            import gc
-
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
