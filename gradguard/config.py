@@ -107,7 +107,8 @@ class DetectConfig:
     _path = "GuardConfig.detect"
 
     warmup_steps: int = 20
-    """Healthy steps observed before the sigma-based spike detectors are armed."""
+    """Healthy steps observed before the sigma-based spike detectors are armed (the loss detector
+    also arms after 3x this many steps of any kind)."""
 
     ema_alpha: float = 0.05
     """Weight of the newest value in the loss and grad-norm baselines (about 1/alpha steps of memory)."""
@@ -119,7 +120,8 @@ class DetectConfig:
     """...and by this factor of the baseline (both must hold)."""
 
     early_loss_ratio: float = 1.5
-    """During warm-up: a loss above this factor of the lowest loss seen so far is a spike."""
+    """During warm-up: a loss above this factor of the recent healthy loss (the lower of the last
+    one and their mean) is a spike, if it is also ``loss_sigma`` robust deviations above the mean."""
 
     grad_sigma: float = 6.0
     """A total grad norm is a spike beyond this many robust standard deviations of its baseline..."""
@@ -391,8 +393,9 @@ class PolicyConfig:
     the cooldown: findings after it come from restored, healthy weights)."""
 
     repeats_to_escalate: int = 3
-    """Non-finite steps (skipped) and grad-norm spikes (clipped or skipped) within
-    escalation_window that together count as instability; one alone is handled by skip/clip."""
+    """Non-finite steps (skipped) and severe grad-norm spikes (10x their threshold; clipped or
+    skipped) within escalation_window that together count as instability; one alone is handled by
+    skip/clip. Moderate grad-norm spikes are only clipped: they are routine with small batches."""
 
     escalation_window: int = 200
     """Window (steps) for counting spikes and escalations."""

@@ -13,6 +13,8 @@ __all__ = ["Signals", "Finding", "RobustBaseline", "NonFiniteDetector", "LossSpi
            "GradSpikeDetector", "LossScaleDetector", "Detectors", "INFO", "WARNING", "CRITICAL"]
 
 INFO, WARNING, CRITICAL = "info", "warning", "critical"
+#: During warm-up the loss detector's noise term uses this fraction of ``loss_sigma``.
+EARLY_SIGMA_FRACTION = 0.5
 
 
 @dataclass
@@ -125,46 +127,73 @@ class NonFiniteDetector:
 
 
 class LossSpikeDetector:
-    """Loss far above its robust baseline; during warm-up, far above the lowest loss so far."""
+    """Loss far above its robust baseline. During warm-up (before the baseline has
+    ``warmup_steps`` healthy values) a loss is a spike when it is above ``early_loss_ratio`` x the
+    lower of the last healthy loss and the healthy mean, *and* above the healthy mean by
+    ``loss_sigma`` robust standard deviations: the ratio catches a blow-up in the first steps of a
+    smooth run, the sigma term keeps a noisy run (small batches, heavy-tailed losses) from being
+    flagged. A third warm-up spike in a row joins the baseline (the reference was a lucky low
+    loss; a real blow-up has been acted on by then) and warm-up ends after ``3 x warmup_steps``
+    observed steps, so a noisy run is never stuck in warm-up."""
 
     def __init__(self, cfg: DetectConfig) -> None:
         self.cfg = cfg
         self.base = RobustBaseline(cfg.ema_alpha, cfg.min_rel_spread)
         self.healthy = 0
-        self.min_loss: float | None = None
+        self.seen = 0
+        self.early_flags = 0  # consecutive warm-up spikes
+        self.min_loss: float | None = None  # lowest healthy loss (reported in the diagnosis)
+
+    def _armed(self) -> bool:
+        cfg = self.cfg
+        return self.base.mean is not None and (self.healthy >= cfg.warmup_steps or self.seen >= 3 * cfg.warmup_steps)
 
     def observe(self, s: Signals) -> list[Finding]:
         x = s.loss
         if x is None or not math.isfinite(x) or s.overflow:
             return []  # an fp16 overflow step's loss is the scaler's business (the scale detectors)
         cfg = self.cfg
+        self.seen += 1
         finding = None
-        if self.healthy >= cfg.warmup_steps and self.base.mean is not None:
-            thr = self.base.threshold(cfg.loss_sigma, cfg.loss_ratio)
+        base = self.base
+        if self._armed():
+            thr = base.threshold(cfg.loss_sigma, cfg.loss_ratio)
             if x > thr:
                 sev = CRITICAL if x > 2 * thr else WARNING
-                finding = Finding("loss_spike", sev, s.step, value=x, threshold=thr, baseline=self.base.mean,
-                                  message=f"loss {x:.4g} > {thr:.4g} (baseline {self.base.mean:.4g})")
-                self.base.update(thr, spike=True)
-        elif self.min_loss is not None and x > cfg.early_loss_ratio * self.min_loss > 0:
-            thr = cfg.early_loss_ratio * self.min_loss
-            finding = Finding("loss_spike", CRITICAL if x > 2 * thr else WARNING, s.step, value=x,
-                              threshold=thr, baseline=self.min_loss,
-                              message=f"loss {x:.4g} > {cfg.early_loss_ratio} x lowest loss {self.min_loss:.4g} "
-                                      "during warm-up")
+                finding = Finding("loss_spike", sev, s.step, value=x, threshold=thr, baseline=base.mean,
+                                  message=f"loss {x:.4g} > {thr:.4g} (baseline {base.mean:.4g})")
+                base.update(thr, spike=True)
+        elif base.mean is not None and base.prev is not None:
+            ref = min(base.prev, base.mean)
+            # few values, often from a falling loss: half the sigma multiplier of the armed rule
+            noise = base.mean + EARLY_SIGMA_FRACTION * cfg.loss_sigma * base.sigma() if base.count >= 2 else 0.0
+            thr = max(cfg.early_loss_ratio * ref, noise)
+            if x > thr > 0:
+                self.early_flags += 1
+                # a third flag in a row in warm-up: the reference was a lucky low loss of a noisy run
+                # (a real blow-up has been acted on by then), so the loss joins the baseline
+                if self.early_flags < 3:
+                    finding = Finding("loss_spike", CRITICAL if x > 2 * thr else WARNING, s.step, value=x,
+                                      threshold=thr, baseline=ref,
+                                      message=f"loss {x:.4g} > {thr:.4g} ({cfg.early_loss_ratio} x recent loss "
+                                              f"{ref:.4g}) during warm-up")
         if finding is None:
-            self.base.update(x)
+            self.early_flags = 0
+            base.update(x)
             self.healthy += 1
             self.min_loss = x if self.min_loss is None else min(self.min_loss, x)
             return []
         return [finding]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"base": self.base.state_dict(), "healthy": self.healthy, "min_loss": self.min_loss}
+        return {"base": self.base.state_dict(), "healthy": self.healthy, "min_loss": self.min_loss,
+                "seen": self.seen, "early_flags": self.early_flags}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.base.load_state_dict(state["base"])
         self.healthy, self.min_loss = state["healthy"], state["min_loss"]
+        self.seen = int(state.get("seen", self.healthy))
+        self.early_flags = int(state.get("early_flags", 0))
 
 
 class GradSpikeDetector:

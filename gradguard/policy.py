@@ -13,7 +13,8 @@ __all__ = ["Action", "Decision", "Policy", "INSTABILITY_KINDS", "REPEAT_KINDS"]
 
 #: Findings that count as instability on their own.
 INSTABILITY_KINDS = frozenset({"loss_spike", "overflow_rate", "scale_collapse"})
-#: Findings handled step by step (skip, clip) that count as instability once they repeat.
+#: Findings handled step by step (skip, clip) that count as instability once they repeat
+#: (a grad spike only when critical: 10x its threshold).
 REPEAT_KINDS = frozenset({"nonfinite_loss", "nonfinite_grad", "grad_spike"})
 
 
@@ -91,7 +92,11 @@ class Policy:
         self._trim(self.repeats, s.step)
         self._trim(self.escalations, s.step)
         unstable = bool(INSTABILITY_KINDS & kinds)
-        if REPEAT_KINDS & kinds:
+        # a grad-norm spike is clipped away; only a severe one (10x its threshold) counts towards
+        # escalation: moderate ones are routine with small batches and heavy-tailed gradients
+        severe_grad = "grad_spike" in kinds and any(f.kind == "grad_spike" and f.severity == "critical"
+                                                    for f in findings)
+        if ({"nonfinite_loss", "nonfinite_grad"} & kinds) or severe_grad:
             self.repeats.append(s.step)
             if len(self.repeats) >= cfg.repeats_to_escalate:
                 unstable = True
