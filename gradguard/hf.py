@@ -248,6 +248,8 @@ class _LoaderBatches:
         return old * self.accumulation, self.batch_size
 
     def shrink_micro(self) -> tuple[int, int] | None:
+        if self.cb._orig_training_step is None:
+            return None  # training_step is not wrapped (the Trainer was not found): no chunking
         size = self.loader_batch or self.cb._last_micro
         old = -(-size // self.cb._splits) if size else 0
         if old <= 1:
