@@ -12,14 +12,14 @@ and ``Guard.accumulate`` retries a step's data with half the micro-batch on an o
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import default_collate
 
-__all__ = ["StepBatch", "BatchController"]
+__all__ = ["StepBatch", "BatchController", "batch_len", "split_batch"]
 
 
 @dataclass
@@ -182,3 +182,51 @@ class BatchController:
         self.seed = state["seed"]
         self.skipped_indices = [list(x) for x in state["skipped_indices"]]
         self._perm = None
+
+
+# -- splitting a collated batch (out-of-memory retries in the adapters) ---------------------------
+def batch_len(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor (0 when there is none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else 0
+    if isinstance(batch, Mapping):
+        items = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        items = list(batch)
+    else:
+        return 0
+    for v in items:
+        n = batch_len(v)
+        if n:
+            return n
+    return 0
+
+
+def _cut(x: Any, n: int, start: int, stop: int) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x[start:stop] if x.dim() > 0 and x.shape[0] == n else x
+    if isinstance(x, Mapping):
+        vals = {k: _cut(v, n, start, stop) for k, v in x.items()}
+        try:
+            return type(x)(vals)
+        except TypeError:
+            return vals
+    if isinstance(x, (list, tuple)):
+        if len(x) == n and x and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in x):
+            return x[start:stop]  # a collated list of strings, ids...
+        vals = [_cut(v, n, start, stop) for v in x]
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*vals)  # a namedtuple
+        return tuple(vals) if isinstance(x, tuple) else vals
+    return x
+
+
+def split_batch(batch: Any, n: int, parts: int) -> list[tuple[Any, int]]:
+    """``batch`` (n samples) split along the first dimension into ``parts`` pieces: (piece, samples)."""
+    parts = max(1, min(parts, n))
+    sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+    out, start = [], 0
+    for size in sizes:
+        out.append((_cut(batch, n, start, start + size), size))
+        start += size
+    return out

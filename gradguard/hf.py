@@ -49,6 +49,7 @@ import torch
 
 from .act import drop_grads, unwrap_optimizer
 from .config import ClipConfig, ConfigError, GuardConfig
+from .data import batch_len, split_batch
 from .guard import GradGuardHalt, GuardCore, StepReport
 from .policy import Action
 from .sinks import M, Sink, _clean
@@ -115,27 +116,6 @@ def _find_trainer() -> Any:
     return None
 
 
-def _split_inputs(inputs: Any, parts: int) -> list[tuple[Any, int]]:
-    """Split a micro-batch (a mapping of tensors) along its first dimension into at most ``parts``
-    chunks; returns (chunk, samples in it). Tensors without the batch dimension are shared."""
-    if not isinstance(inputs, dict) and not hasattr(inputs, "keys"):
-        return [(inputs, 0)]
-    tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    if not tensors:
-        return [(inputs, 0)]
-    n = tensors[0].shape[0]
-    parts = max(1, min(parts, n))
-    sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
-    out = []
-    start = 0
-    for size in sizes:
-        chunk = {k: (v[start:start + size] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n else v)
-                 for k, v in inputs.items()}
-        out.append((chunk, size))
-        start += size
-    return out
-
-
 def _read_weights(path: str) -> dict[str, torch.Tensor]:
     """The model weights of a Trainer checkpoint folder (safetensors or .bin, sharded or not)."""
     single = [("model.safetensors", "st"), ("pytorch_model.bin", "bin")]
@@ -172,14 +152,6 @@ def _all_ranks(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-def _batch_of(inputs: Any) -> int:
-    if hasattr(inputs, "values"):
-        for v in inputs.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                return int(v.shape[0])
-    return 0
 
 
 class _LoaderBatches:
@@ -579,7 +551,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             return self._placeholder_loss()  # this step's data is skipped: no forward, no backward
         first = self._micro_in_step == 0
         self._micro_in_step += 1
-        size = _batch_of(inputs)
+        size = batch_len(inputs)
         self._last_micro = size or self._last_micro
         while True:
             start = len(self._losses)
@@ -614,7 +586,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
     def _run_chunks(self, orig: Any, model: Any, inputs: Any, num_items_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
         tr = self._trainer
         attr = "current_gradient_accumulation_steps"
-        chunks = _split_inputs(inputs, self._splits) if self._splits > 1 and hasattr(tr, attr) else []
+        n = batch_len(inputs)
+        chunks = split_batch(inputs, n, self._splits) if n and self._splits > 1 and hasattr(tr, attr) else []
         if len(chunks) <= 1:
             return orig(model, inputs, num_items_in_batch, *args, **kwargs)
         total = sum(n for _, n in chunks)

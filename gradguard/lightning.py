@@ -84,6 +84,7 @@ from torch.utils.data import BatchSampler
 
 from .act import drop_grads, unwrap_optimizer
 from .config import GuardConfig
+from .data import batch_len, split_batch
 from .guard import GradGuardHalt, GuardCore, StepReport
 from .policy import INSTABILITY_KINDS, Action
 from .sinks import Sink
@@ -138,53 +139,6 @@ class _LiveBatchSampler(BatchSampler):
             if not batch or (self.drop_last and len(batch) < self.batch_size):
                 return
             yield batch
-
-
-def _batch_len(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its first tensor (0 when there is none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else 0
-    if isinstance(batch, Mapping):
-        items = list(batch.values())
-    elif isinstance(batch, (list, tuple)):
-        items = list(batch)
-    else:
-        return 0
-    for v in items:
-        n = _batch_len(v)
-        if n:
-            return n
-    return 0
-
-
-def _cut(x: Any, n: int, start: int, stop: int) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x[start:stop] if x.dim() > 0 and x.shape[0] == n else x
-    if isinstance(x, Mapping):
-        vals = {k: _cut(v, n, start, stop) for k, v in x.items()}
-        try:
-            return type(x)(vals)
-        except TypeError:
-            return vals
-    if isinstance(x, (list, tuple)):
-        if len(x) == n and x and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in x):
-            return x[start:stop]  # a collated list of strings, ids...
-        vals = [_cut(v, n, start, stop) for v in x]
-        if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return type(x)(*vals)  # a namedtuple
-        return tuple(vals) if isinstance(x, tuple) else vals
-    return x
-
-
-def _split(batch: Any, n: int, parts: int) -> list[tuple[Any, int]]:
-    """``batch`` (n samples) split along the first dimension into ``parts`` pieces: (piece, samples)."""
-    parts = max(1, min(parts, n))
-    sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
-    out, start = [], 0
-    for size in sizes:
-        out.append((_cut(batch, n, start, start + size), size))
-        start += size
-    return out
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -772,7 +726,7 @@ class _GradGuardMixin:
 
     def _oom_recoverable(self, trainer: Any, pl_module: Any, args: tuple[Any, ...]) -> bool:
         return bool(self.core is not None and self.config.policy.act and pl_module.automatic_optimization
-                    and trainer.world_size == 1 and args and _batch_len(args[0]) > 1)
+                    and trainer.world_size == 1 and args and batch_len(args[0]) > 1)
 
     def _oom_retry(self, orig: Any, args: tuple[Any, ...], kwargs: dict[str, Any], message: str,
                    in_forward: bool) -> Any:
@@ -787,7 +741,7 @@ class _GradGuardMixin:
         acc = int(trainer.accumulate_grad_batches)
         first = trainer.fit_loop.epoch_loop.batch_idx % acc == 0
         params = self._trainable(pl_module)
-        n = _batch_len(args[0])
+        n = batch_len(args[0])
         if first:
             drop_grads(params)  # the previous step's (Lightning zero-grads after training_step)
         elif not in_forward:
@@ -831,8 +785,8 @@ class _GradGuardMixin:
         again. Returns (the micro-batch's loss, the last piece's output, the smallest size that
         failed). Raises ``_PartialGrads`` when a backward fails."""
         batch, rest = args[0], args[1:]
-        n = _batch_len(batch)
-        queue = _split(batch, n, parts)
+        n = batch_len(batch)
+        queue = split_batch(batch, n, parts)
         scaler = self.scaler if self.scaler is not None and self.scaler.is_enabled() else None
         total: torch.Tensor | None = None
         output: Any = None
@@ -850,7 +804,7 @@ class _GradGuardMixin:
             if not ran:
                 failed = min(failed, size)
                 _free_memory()
-                queue[0:0] = _split(piece, size, 2)
+                queue[0:0] = split_batch(piece, size, 2)
                 continue
             loss = _loss_of(out)
             if loss is None:
