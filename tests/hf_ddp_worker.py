@@ -16,6 +16,7 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import gradguard as gg  # noqa: E402
 from gradguard.hf import GradGuardCallback  # noqa: E402
+from tests._dist import shutdown  # noqa: E402
 from tests.test_hf import ByteDataset, tiny_gpt2  # noqa: E402
 
 
@@ -60,6 +61,7 @@ def main(out: str, mode: str) -> None:
            "logs": [[h["step"], h["loss"], h.get("gradguard/loss")] for h in trainer.state.log_history if "loss" in h]}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(res, fh)
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -466,6 +466,8 @@ DDP_SCRIPT = textwrap.dedent('''
             "batches": t.num_training_batches, "window": cb.data_skipped_steps, "steps": cb.core.step_count,
             "computed": len(m.micro_losses)}}
     (out / f"rank{{t.global_rank}}.json").write_text(json.dumps(res))
+    from _dist import shutdown
+    shutdown()
 ''')
 
 
