@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .config import AdamConfig, ClipConfig, LRConfig
+from .errors import UnsupportedSetupError
 from .measure import LayerMap
 
 __all__ = ["unwrap_optimizer", "drop_grads", "ClipController", "LRMultiplier", "AdamTuner"]
@@ -27,7 +28,7 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
             break
         opt = inner
     if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"gradguard: optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer "
+        raise UnsupportedSetupError(f"gradguard: optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer "
                         "(nor wraps one). Fix: pass the torch optimizer the training loop steps")
     return opt
 

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ConfigError, ConfigTypeError  # one error hierarchy: gradguard.errors
+
 __all__ = [
     "ConfigError", "MeasureConfig", "DetectConfig", "ClipConfig", "LRConfig", "AdamConfig",
     "RecoveryConfig", "PolicyConfig", "OutputConfig", "GuardConfig", "PRESETS",
@@ -21,10 +23,6 @@ __all__ = [
 RUNG_ACTIONS = (
     "tighten_clip", "lower_lr", "lower_layer_lr", "adam", "rollback", "shrink_batch", "halt",
 )
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the field, the value and the fix."""
 
 
 def _fail(path: str, value: Any, problem: str, fix: str) -> None:
@@ -513,13 +511,13 @@ class GuardConfig:
     @classmethod
     def coerce(cls, value: GuardConfig | dict[str, Any] | None, where: str = "config") -> GuardConfig:
         """None -> the default preset, a dict -> ``from_dict``, a GuardConfig as is; anything else
-        is a TypeError naming ``where``."""
+        is a ConfigTypeError (a TypeError) naming ``where``."""
         if value is None:
             return cls()
         if isinstance(value, dict):
             return cls.from_dict(value)
         if not isinstance(value, cls):
-            raise TypeError(f"gradguard: {where}={type(value).__name__} is not a GuardConfig. "
+            raise ConfigTypeError(f"gradguard: {where}={type(value).__name__} is not a GuardConfig. "
                             "Fix: pass gradguard.GuardConfig(...), GuardConfig.preset(name) or a dict of sections")
         return value
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from .errors import ConfigError
+
 __all__ = ["StepBatch", "BatchController", "batch_len", "split_batch"]
 
 
@@ -57,14 +59,14 @@ class BatchController:
                  epochs: int | None = 1) -> None:
         for name, value in (("batch_size", batch_size), ("min_batch_size", min_batch_size)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"BatchController.{name}={value!r}: must be a positive int. "
+                raise ConfigError(f"BatchController.{name}={value!r}: must be a positive int. "
                                  f"Fix: pass e.g. {name}=32")
         micro = micro_batch_size or batch_size
         if not isinstance(micro, int) or not 1 <= micro <= batch_size:
-            raise ValueError(f"BatchController.micro_batch_size={micro_batch_size!r}: must be an int in "
+            raise ConfigError(f"BatchController.micro_batch_size={micro_batch_size!r}: must be an int in "
                              f"[1, batch_size={batch_size}]. Fix: pass a divisor of batch_size, or None")
         if len(dataset) == 0:
-            raise ValueError("BatchController.dataset: is empty. Fix: pass a dataset with samples")
+            raise ConfigError("BatchController.dataset: is empty. Fix: pass a dataset with samples")
         self.dataset = dataset
         self.batch_size = batch_size
         self.micro_batch_size = micro

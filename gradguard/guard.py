@@ -23,6 +23,7 @@ from torch import nn
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
 from .config import GuardConfig
 from .detect import Detectors, Finding, Signals
+from .errors import ConfigError, GradGuardHalt, StateError, UnsupportedSetupError
 from .measure import GradMeasurer, LayerMap, metric_key
 from .policy import Action, Policy
 from .sinks import ConsoleSink, JSONLSink, M, Sink
@@ -31,21 +32,6 @@ from .snapshot import SnapshotRing
 __all__ = ["GradGuardHalt", "StepReport", "GuardCore", "Guard"]
 
 STATE_VERSION = 1
-
-
-class GradGuardHalt(RuntimeError):
-    """Raised when the policy stops training. ``.diagnosis`` holds what happened, when, in which
-    layers and what was tried; ``str(exc)`` is a readable summary."""
-
-    def __init__(self, diagnosis: dict[str, Any]) -> None:
-        self.diagnosis = diagnosis
-        tried = ", ".join(f"{k} x{v}" for k, v in diagnosis.get("actions_tried", {}).items()) or "nothing"
-        layers = ", ".join(diagnosis.get("culprit_layers", [])[:8]) or "none named"
-        super().__init__(
-            f"gradguard halted training at step {diagnosis.get('step')}: {diagnosis.get('reason')}. "
-            f"Culprit layers: {layers}. Tried: {tried}. Last findings: "
-            + "; ".join(f"step {f['step']} {f['kind']}" for f in diagnosis.get("recent_findings", [])[-5:])
-        )
 
 
 @dataclass
@@ -98,7 +84,7 @@ class GuardCore:
                  scaler: Any = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         config = GuardConfig.coerce(config)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"gradguard: model={type(model).__name__} is not a torch.nn.Module. "
+            raise UnsupportedSetupError(f"gradguard: model={type(model).__name__} is not a torch.nn.Module. "
                             "Fix: pass the module whose parameters the optimizer trains")
         self.config = config
         self.model = model
@@ -161,7 +147,7 @@ class GuardCore:
     def _check_optimizer_covers_model(self) -> None:
         in_opt = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         if not any(id(p) in in_opt for p in self.layers.params):
-            raise ValueError("gradguard: none of the model's trainable parameters is in the optimizer. "
+            raise UnsupportedSetupError("gradguard: none of the model's trainable parameters is in the optimizer. "
                              "Fix: pass the same model the optimizer was built from")
 
     # -- engine API ------------------------------------------------------------------------
@@ -539,7 +525,7 @@ class GuardCore:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"gradguard: state version {state.get('version')!r} is not {STATE_VERSION}. "
+            raise StateError(f"gradguard: state version {state.get('version')!r} is not {STATE_VERSION}. "
                              "Fix: load a state saved by this gradguard version")
         self.step_count = state["step_count"]
         self.applied_steps = state["applied_steps"]
@@ -603,7 +589,7 @@ class Guard(GuardCore):
         more accumulation) and the same samples are tried again. Returns the step's mean loss;
         follow with ``guard.step()``."""
         if self.batches is None:
-            raise ValueError("gradguard: Guard.accumulate needs a batch controller. Fix: "
+            raise ConfigError("gradguard: Guard.accumulate needs a batch controller. Fix: "
                              "Guard(..., batches=gradguard.data.BatchController(dataset, batch_size))")
         total = len(batch)
         while True:

@@ -48,9 +48,10 @@ from typing import Any
 import torch
 
 from .act import drop_grads, unwrap_optimizer
-from .config import ClipConfig, ConfigError, GuardConfig
+from .config import ClipConfig, GuardConfig
 from .data import batch_len, split_batch
-from .guard import GradGuardHalt, GuardCore, StepReport
+from .errors import ConfigError, GradGuardHalt, UnsupportedSetupError
+from .guard import GuardCore, StepReport
 from .policy import Action
 from .sinks import M, Sink, _clean
 
@@ -346,21 +347,21 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             clip = None
             if isinstance(ds, dict):
                 clip = ds.get("gradient_clipping")
-            raise ConfigError(
+            raise UnsupportedSetupError(
                 f"TrainingArguments.deepspeed={ds!r}: DeepSpeed steps the optimizer and clips inside its engine "
                 f"(gradient_clipping={clip!r}), so gradguard can neither measure the pre-clip gradients nor skip a "
                 "step safely. Fix: train without DeepSpeed when using GradGuardCallback, or remove the callback")
         if getattr(args, "fsdp", None) and args.fsdp not in ("", [], None):
-            raise ConfigError(
+            raise UnsupportedSetupError(
                 f"TrainingArguments.fsdp={args.fsdp!r}: FSDP shards the gradients, so per-layer norms measured on "
                 "one rank are partial. Fix: train with DDP or a single device when using GradGuardCallback")
         optim_name = str(getattr(args, "optim", "")).lower()
         if any(optim_name.endswith(n) or optim_name == n for n in _UNSKIPPABLE_OPTIMS):
-            raise ConfigError(
+            raise UnsupportedSetupError(
                 f"TrainingArguments.optim={args.optim!r}: this optimizer updates the weights during backward, so "
                 "a poisoned step cannot be skipped. Fix: use an optimizer with a step() (e.g. optim='adamw_torch')")
         if optimizer is None or not hasattr(optimizer, "param_groups"):
-            raise ConfigError(
+            raise UnsupportedSetupError(
                 f"optimizer={type(optimizer).__name__}: gradguard needs a torch optimizer with param_groups "
                 "(to skip a step, apply LR multipliers and change Adam's betas). Fix: use a torch.optim optimizer")
         user = float(args.max_grad_norm) if args.max_grad_norm is not None else 0.0

@@ -74,7 +74,6 @@ import itertools
 import json
 import math
 import os
-import warnings
 from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
@@ -85,7 +84,8 @@ from torch.utils.data import BatchSampler
 from .act import drop_grads, unwrap_optimizer
 from .config import GuardConfig
 from .data import batch_len, split_batch
-from .guard import GradGuardHalt, GuardCore, StepReport
+from .errors import GradGuardHalt, UnsupportedSetupError, warn
+from .guard import GuardCore, StepReport
 from .policy import INSTABILITY_KINDS, Action
 from .sinks import Sink
 
@@ -538,10 +538,10 @@ class _GradGuardMixin:
     # -- lifecycle -------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.optimizers:
-            raise ValueError("gradguard: the trainer has no optimizer. Fix: return one from configure_optimizers")
+            raise UnsupportedSetupError("gradguard: the trainer has no optimizer. Fix: return one from configure_optimizers")
         opt = unwrap_optimizer(trainer.optimizers[0])
         if len(trainer.optimizers) > 1:
-            warnings.warn("gradguard: several optimizers: only the first one is guarded", stacklevel=2)
+            warn("gradguard: several optimizers: only the first one is guarded", stacklevel=2)
         log_dir = trainer.log_dir  # a collective under DDP: called on every rank
         self._trainer = trainer
         if self.core is not None and self.core.optimizer is opt:
@@ -558,7 +558,7 @@ class _GradGuardMixin:
             if algo.endswith("norm"):
                 val = float(trainer.gradient_clip_val)
                 if val != cfg.clip.max_norm:
-                    warnings.warn(f"gradguard: Trainer(gradient_clip_val={val:g}) becomes the guard's clip.max_norm "
+                    warn(f"gradguard: Trainer(gradient_clip_val={val:g}) becomes the guard's clip.max_norm "
                                   "(the guard owns norm clipping and tightens/relaxes it)", stacklevel=2)
                     cfg = dataclasses.replace(cfg, clip=dataclasses.replace(
                         cfg.clip, max_norm=val, floor=min(cfg.clip.floor, val)))
@@ -1079,7 +1079,7 @@ class _GradGuardMixin:
             with open(path, "w", encoding="utf-8") as fh:
                 json.dump(self.halted, fh, indent=1, default=str)
             self.diagnosis_path = path
-        warnings.warn(str(GradGuardHalt(self.halted)), stacklevel=2)
+        warn(str(GradGuardHalt(self.halted)), stacklevel=2)
 
 
 def make_callback_class(pl: ModuleType) -> type:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .errors import UnsupportedSetupError
+
 __all__ = ["default_layer_name", "LayerMap", "Measurement", "GradMeasurer", "metric_key"]
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
@@ -73,7 +75,7 @@ class LayerMap:
             self.param_names.append(pname)
             self.layer_index.append(seen[layer])
         if not self.params:
-            raise ValueError("gradguard: the model has no trainable parameters (requires_grad=True); "
+            raise UnsupportedSetupError("gradguard: the model has no trainable parameters (requires_grad=True); "
                              "attach the guard to the model being trained")
 
     def __len__(self) -> int:

@@ -1,0 +1,102 @@
+"""gradguard's errors and warnings, in one place.
+
+Hierarchy (every error gradguard raises for a user's mistake or setup is a :class:`GradGuardError`)::
+
+    GradGuardError
+    +-- ConfigError            (also ValueError)  a configuration value is invalid
+    |   +-- ConfigTypeError    (also TypeError)   a value of the wrong type where a config was expected
+    |   +-- UnsupportedSetupError (also TypeError) the engine setup cannot be guarded (DeepSpeed, FSDP,
+    |                                              an optimizer without step(), a model that is no Module...)
+    +-- StateError             (also ValueError)  a saved guard state cannot be loaded
+    +-- GradGuardHalt          (also RuntimeError) the policy stopped training (``.diagnosis``)
+
+The built-in bases are kept so that code written against earlier versions (``except ValueError``,
+``except TypeError``, ``except RuntimeError``) still catches what it used to.
+
+:func:`warn` is the only way gradguard warns: on the process of global rank 0 only (one warning
+per run, not one per GPU), and :func:`warn_once` at most once per key and process.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+__all__ = [
+    "GradGuardError", "ConfigError", "ConfigTypeError", "UnsupportedSetupError", "StateError", "GradGuardHalt",
+    "GradGuardWarning", "is_rank0", "warn", "warn_once",
+]
+
+
+class GradGuardError(Exception):
+    """Base of every error gradguard raises on purpose."""
+
+
+class ConfigError(GradGuardError, ValueError):
+    """A configuration value is invalid. The message names the field, the value and the fix."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A value of the wrong type was passed where a configuration was expected."""
+
+
+class UnsupportedSetupError(ConfigError, TypeError):
+    """The engine's setup cannot be guarded (e.g. DeepSpeed or FSDP, an optimizer that updates
+    inside backward, a model that is not a ``torch.nn.Module``). The message names the setting and
+    the fix. A ``ConfigError`` too: the fix is always a change of the run's configuration."""
+
+
+class StateError(GradGuardError, ValueError):
+    """A saved guard state cannot be loaded (another gradguard version, a truncated file...)."""
+
+
+class GradGuardHalt(GradGuardError, RuntimeError):
+    """Raised when the policy stops training. ``.diagnosis`` holds what happened, when, in which
+    layers and what was tried; ``str(exc)`` is a readable summary."""
+
+    def __init__(self, diagnosis: dict[str, Any]) -> None:
+        self.diagnosis = diagnosis
+        tried = ", ".join(f"{k} x{v}" for k, v in diagnosis.get("actions_tried", {}).items()) or "nothing"
+        layers = ", ".join(diagnosis.get("culprit_layers", [])[:8]) or "none named"
+        super().__init__(
+            f"gradguard halted training at step {diagnosis.get('step')}: {diagnosis.get('reason')}. "
+            f"Culprit layers: {layers}. Tried: {tried}. Last findings: "
+            + "; ".join(f"step {f['step']} {f['kind']}" for f in diagnosis.get("recent_findings", [])[-5:])
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable (multiprocessing, DDP workers)
+        return (type(self), (self.diagnosis,))
+
+
+class GradGuardWarning(UserWarning):
+    """Category of gradguard's warnings (filter with ``warnings.filterwarnings(..., GradGuardWarning)``)."""
+
+
+def is_rank0() -> bool:
+    """True on the process of global rank 0 (or when not distributed)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except Exception:  # pragma: no cover - a broken distributed install must not stop a warning path
+        pass
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
+_WARNED: set[str] = set()
+
+
+def warn(message: str, *, stacklevel: int = 2, category: type[Warning] = GradGuardWarning) -> None:
+    """Warn on global rank 0 only. ``message`` should start with ``gradguard:``."""
+    if is_rank0():
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+def warn_once(key: str, message: str, *, stacklevel: int = 2, category: type[Warning] = GradGuardWarning) -> None:
+    """Like :func:`warn`, at most once per ``key`` in this process."""
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warn(message, stacklevel=stacklevel + 1, category=category)

@@ -1,0 +1,64 @@
+"""One error hierarchy: every deliberate error is a GradGuardError and keeps its old built-in base."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import gradguard as gg
+from gradguard import errors
+from gradguard.data import BatchController
+
+
+def test_hierarchy_keeps_the_builtin_bases():
+    assert issubclass(gg.ConfigError, gg.GradGuardError) and issubclass(gg.ConfigError, ValueError)
+    assert issubclass(gg.UnsupportedSetupError, gg.ConfigError)
+    assert issubclass(gg.UnsupportedSetupError, TypeError) and issubclass(gg.UnsupportedSetupError, ValueError)
+    assert issubclass(gg.GradGuardHalt, gg.GradGuardError) and issubclass(gg.GradGuardHalt, RuntimeError)
+    assert issubclass(gg.StateError, gg.GradGuardError) and issubclass(gg.StateError, ValueError)
+    from gradguard.guard import GradGuardHalt
+
+    assert GradGuardHalt is gg.GradGuardHalt  # still importable from its old home
+
+
+def test_halt_pickles_with_its_diagnosis():
+    exc = gg.GradGuardHalt({"step": 7, "reason": "why", "actions_tried": {"rollback": 2}})
+    back = pickle.loads(pickle.dumps(exc))
+    assert back.diagnosis == exc.diagnosis and str(back) == str(exc) and "rollback x2" in str(back)
+
+
+def test_user_mistakes_raise_gradguard_errors(tiny):
+    opt = torch.optim.SGD(tiny.parameters(), lr=0.1)
+    with pytest.raises(gg.UnsupportedSetupError, match="not a torch.nn.Module"):
+        gg.Guard(object(), opt)  # type: ignore[arg-type]
+    with pytest.raises(gg.UnsupportedSetupError, match="not a torch.optim.Optimizer"):
+        gg.Guard(tiny, object())  # type: ignore[arg-type]
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(gg.UnsupportedSetupError, match="none of the model's trainable parameters"):
+        gg.Guard(other, opt, config=gg.GuardConfig.preset("default", output={"jsonl": False, "console": False}))
+    with pytest.raises(errors.ConfigTypeError):
+        gg.GuardConfig.coerce(3)  # type: ignore[arg-type]
+    with pytest.raises(gg.ConfigError, match="batch_size"):
+        BatchController(list(range(4)), 0)
+    g = gg.Guard(tiny, opt, config=gg.GuardConfig.preset("default", output={"jsonl": False, "console": False}))
+    with pytest.raises(gg.StateError, match="state version"):
+        g.load_state_dict({"version": 999})
+
+
+def test_warnings_come_from_rank_zero_only(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        errors.warn("gradguard: from rank 1")
+    assert not seen
+    monkeypatch.setenv("RANK", "0")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        errors.warn("gradguard: from rank 0")
+        errors.warn_once("k-test", "gradguard: once")
+        errors.warn_once("k-test", "gradguard: once")
+    assert [str(w.message) for w in seen] == ["gradguard: from rank 0", "gradguard: once"]
+    assert all(issubclass(w.category, gg.GradGuardWarning) for w in seen)
