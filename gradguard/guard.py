@@ -9,8 +9,10 @@ and :meth:`GuardCore.after_step` once the optimizer has (or has not) stepped.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -22,11 +24,14 @@ from torch import nn
 
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
 from .config import GuardConfig
+from .contract import CheckpointSource, Collective
+from .contract import collective as default_collective
 from .detect import Detectors, Finding, Signals
-from .errors import ConfigError, GradGuardHalt, StateError, UnsupportedSetupError
+from .errors import ConfigError, GradGuardHalt, StateError, UnsupportedSetupError, is_rank0
 from .measure import GradMeasurer, LayerMap, metric_key
 from .policy import Action, Policy
-from .sinks import ConsoleSink, JSONLSink, M, Sink
+from .recovery import CheckpointTier, rollback_from_checkpoints, step_verdict
+from .sinks import ConsoleSink, JSONLSink, M, Sink, _clean
 from .snapshot import SnapshotRing
 
 __all__ = ["GradGuardHalt", "StepReport", "GuardCore", "Guard"]
@@ -75,20 +80,43 @@ def _scaler_state(scaler: Any, optimizer: torch.optim.Optimizer) -> tuple[torch.
     return scale, found
 
 
+def event_log_dir(out_dir: str) -> str:
+    """The folder of gradguard's files under ``out_dir``: ``<out_dir>/gradguard``, except where a
+    folder of that name would shadow the ``gradguard`` package (``out_dir`` is the working
+    directory or on ``sys.path``): then ``<out_dir>/gradguard_runs``."""
+    real = os.path.realpath(out_dir)
+    importable = {os.path.realpath(p or os.getcwd()) for p in sys.path if isinstance(p, str)}
+    importable.add(os.path.realpath(os.getcwd()))
+    return os.path.join(out_dir, "gradguard_runs" if real in importable else "gradguard")
+
+
+def event_log_path(out_dir: str | None) -> str:
+    """The JSONL event log: ``<event_log_dir(out_dir)>/events.jsonl``, or without ``out_dir``
+    ``./gradguard_runs/events-<timestamp>-<pid>.jsonl``."""
+    if out_dir is not None:
+        return os.path.join(event_log_dir(out_dir), "events.jsonl")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join(os.getcwd(), "gradguard_runs", f"events-{stamp}-{os.getpid()}.jsonl")
+
+
 class GuardCore:
     """The engine-agnostic guard. Adapters translate their engine's hooks into these calls."""
 
     def __init__(self, model: nn.Module, optimizer: Any, *, config: GuardConfig | None = None,
                  sinks: list[Sink] | None = None, out_dir: str | None = None,
                  layer_fn: Callable[[str], str] | None = None, scheduler: Any = None,
-                 scaler: Any = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 scaler: Any = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 collective: Collective | None = None) -> None:
         config = GuardConfig.coerce(config)
         if not isinstance(model, nn.Module):
             raise UnsupportedSetupError(f"gradguard: model={type(model).__name__} is not a torch.nn.Module. "
                             "Fix: pass the module whose parameters the optimizer trains")
         self.config = config
         self.model = model
-        self.reduce = reduce  # cross-rank combination of the step's packed measurements (DDP)
+        self.collective: Collective = collective if collective is not None else default_collective()
+        # cross-rank combination of the step's packed measurements (DDP): one reduction per step
+        self.reduce = reduce if reduce is not None else (
+            self.collective.mean if self.collective.world_size > 1 else None)
         self.optimizer = unwrap_optimizer(optimizer)
         self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern)
         self._check_optimizer_covers_model()
@@ -101,6 +129,11 @@ class GuardCore:
         self.actuators: dict[str, Callable[[Action], dict[str, Any]]] = {}
         self.healthy_hooks: list[Callable[[int], Action | None]] = []
         self.rollback_sources: list[Callable[[Action], dict[str, Any] | None]] = []
+        self.checkpoint_tier = CheckpointTier(config.recovery.confirm_steps)  # the engine's checkpoints
+        self.checkpoint_source: CheckpointSource | None = None
+        self.scheduler = scheduler
+        self.scaler_ref = scaler
+        self.diagnosis_path: str | None = None
         self.batch_control: Any = None  # see attach_batches
         self._grow_healthy = 0
         self.snapshots: SnapshotRing | None = None
@@ -131,11 +164,7 @@ class GuardCore:
         self.out_dir = out_dir if out_dir is not None else config.output.dir
         self.log_path: str | None = None
         if config.output.jsonl:
-            if self.out_dir is not None:
-                self.log_path = os.path.join(self.out_dir, "gradguard", "events.jsonl")
-            else:
-                stamp = time.strftime("%Y%m%d-%H%M%S")
-                self.log_path = os.path.join(os.getcwd(), "gradguard_runs", f"events-{stamp}-{os.getpid()}.jsonl")
+            self.log_path = event_log_path(self.out_dir)
             self.sinks.append(JSONLSink(self.log_path))
         if config.output.console:
             self.sinks.append(ConsoleSink())
@@ -208,6 +237,7 @@ class GuardCore:
         if self.snapshots is not None:
             healthy = not (decision.unstable or decision.suspect) and sig.loss is not None and math.isfinite(sig.loss)
             self.snapshots.observe(step, healthy and not decision.skip)
+        self._observe_checkpoints(step, findings, sig.loss, decision)
         self._failed_mult = self.lr.level()  # the level this step's instability happened at
         if any(a.name == "rollback" for a in decision.actions):
             # if the restored weights then meet bad data, this escalation was the data's fault
@@ -257,6 +287,7 @@ class GuardCore:
                                                             if a.name == "halt"), "policy halt"))
             self._emit({"type": "halt", "step": step, "message": report.diagnosis["reason"],
                         "diagnosis": report.diagnosis})
+            self.write_diagnosis(report.diagnosis)
         report.lr_multiplier = self.lr.current()
         if report.applied and step % cfg.measure.log_interval == 0:
             self._before_params = [p.detach().clone() for p in self.layers.params]
@@ -320,11 +351,51 @@ class GuardCore:
         if self.config.policy.act:
             self.register_actuator("rollback", self._rollback)
 
+    def attach_checkpoints(self, source: CheckpointSource) -> None:
+        """Use the engine's own checkpoints as the rollback disk tier (after the in-memory ring). The
+        adapter reports each save with :meth:`checkpoint_saved`; the core applies the trust rule
+        (``recovery.confirm_steps`` healthy steps) and runs the rollback loop."""
+        self.checkpoint_source = source
+        if self.config.policy.act:
+            self.register_actuator("rollback", self._rollback)
+
+    def checkpoint_saved(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> None:
+        """The engine wrote a checkpoint after update ``step`` (on every process: decisions must match)."""
+        self.checkpoint_tier.saved(step, list(paths))
+
+    def _observe_checkpoints(self, step: int, findings: list[Finding], loss: float | None, decision: Any) -> None:
+        healthy, bad = step_verdict(findings, loss, unstable=decision.unstable, suspect=decision.suspect)
+        self.checkpoint_tier.observe(step, healthy, bad)
+
+    def _rollback_from_checkpoints(self, a: Action) -> dict[str, Any] | None:
+        if self.checkpoint_source is None:
+            return None
+        return rollback_from_checkpoints(self.checkpoint_tier, self.checkpoint_source, self.collective, self._emit,
+                                         a.step, detectors=self.detectors)
+
+    def write_diagnosis(self, diagnosis: dict[str, Any], folder: str | None = None) -> str | None:
+        """Write ``diagnosis.json`` (next to the event log unless ``folder``; on rank 0 only)."""
+        if folder is None:
+            if self.log_path is not None:
+                folder = os.path.dirname(self.log_path)
+            elif self.out_dir is not None:
+                folder = event_log_dir(self.out_dir)
+        if folder is None or not is_rank0():
+            return None
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, "diagnosis.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(_clean(diagnosis), fh, indent=2)
+        os.replace(tmp, path)
+        self.diagnosis_path = path
+        return path
+
     def _rollback(self, a: Action) -> dict[str, Any]:
         snap = self.snapshots.best() if self.snapshots is not None else None
         if snap is None:
-            out = None
-            for source in self.rollback_sources:
+            out = self._rollback_from_checkpoints(a)
+            for source in ([] if out else self.rollback_sources):
                 out = source(a)
                 if out:
                     break
@@ -520,7 +591,7 @@ class GuardCore:
             "detectors": self.detectors.state_dict(), "policy": self.policy.state_dict(),
             "clip": self.clip.state_dict(), "lr": self.lr.state_dict(), "adam": self.adam.state_dict(),
             "snapshots": self.snapshots.state_dict() if self.snapshots is not None else None,
-            "grow_healthy": self._grow_healthy,
+            "grow_healthy": self._grow_healthy, "checkpoints": self.checkpoint_tier.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -542,6 +613,8 @@ class GuardCore:
         if self.snapshots is not None and state.get("snapshots"):
             self.snapshots.load_state_dict(state["snapshots"])
         self._grow_healthy = int(state.get("grow_healthy", 0))
+        if "checkpoints" in state:
+            self.checkpoint_tier.load_state_dict(state["checkpoints"])
 
 
 class Guard(GuardCore):

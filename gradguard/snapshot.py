@@ -310,17 +310,10 @@ class SnapshotRing:
         the snapshot actually restored (an older one if the disk copy was unreadable)."""
         snap, st = self.load_state(snap)
         self.model.load_state_dict(st["model"])  # copies into the existing parameters
-        keep_hparams = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        # Optimizer.load_state_dict keeps tensors it is given when device and dtype match: clone.
-        self.optimizer.load_state_dict(copy_state(st["optimizer"], device=None))
-        for g, hp in zip(self.optimizer.param_groups, keep_hparams):
-            for k in ("betas", "eps"):
-                if k in hp:
-                    g[k] = hp[k]  # policy changes to Adam survive a rollback
-            if not restore_schedule:
-                for k in ("lr", "initial_lr"):
-                    if k in hp:
-                        g[k] = hp[k]
+        # one restore for every tier: optimizer state back, its current settings kept (gradguard.recovery)
+        from .recovery import load_optimizer_keeping_settings
+
+        load_optimizer_keeping_settings(self.optimizer, st["optimizer"], restore_schedule=restore_schedule)
         if self.scheduler is not None and restore_schedule and "scheduler" in st:
             self.scheduler.load_state_dict(copy.deepcopy(st["scheduler"]))
         if self.scaler is not None and "scaler" in st:

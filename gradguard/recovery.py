@@ -1,0 +1,194 @@
+"""Recovery from the engine's own checkpoints, once for every engine.
+
+* :class:`CheckpointTier`: which checkpoints may be rolled back to (the one trust rule).
+* :func:`rollback_from_checkpoints`: the rollback loop (newest trusted first; every process reads
+  the same file or none is used; an unusable file is skipped with a ``snapshot_fallback`` event).
+* :func:`restore_training_state` / :func:`load_optimizer_keeping_settings`: the restore that puts
+  weights and optimizer state back but keeps the optimizer's current settings (the schedule's LRs
+  unless ``recovery.restore_schedule``, the policy's Adam beta2/eps, weight decay...).
+* :func:`safe_load`: the only way a checkpoint file is read: ``torch.load(weights_only=True)``.
+
+The trust rule (every engine, and the in-memory snapshot ring): a checkpoint written after step
+``s`` becomes trusted once ``recovery.confirm_steps`` healthy steps have followed it; an unstable
+step first (a spike, a non-finite loss or gradient, an overflow rate, a scale collapse) marks it bad
+for good. Suspect steps count neither way.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .contract import CheckpointSource, Collective
+from .policy import INSTABILITY_KINDS
+
+__all__ = ["CheckpointTier", "BAD_KINDS", "step_verdict", "rollback_from_checkpoints", "restore_training_state",
+           "load_optimizer_keeping_settings", "safe_load", "UnsafeCheckpoint"]
+
+#: findings that make a checkpoint written just before them unusable for a rollback
+BAD_KINDS = INSTABILITY_KINDS | {"nonfinite_loss", "nonfinite_grad"}
+
+
+def step_verdict(findings: list[Any], loss: float | None, *, unstable: bool = False,
+                 suspect: bool = False) -> tuple[bool, bool]:
+    """(healthy, bad) of one step for the trust rule. Bad: a finding of :data:`BAD_KINDS`, or the
+    policy judged the step unstable. Healthy: neither bad nor suspect, and the loss is finite. The
+    verdict does not depend on whether the policy acts (monitor mode judges like the default)."""
+    bad = unstable or any(f.kind in BAD_KINDS for f in findings)
+    healthy = not bad and not suspect and loss is not None and math.isfinite(loss)
+    return healthy, bad
+
+
+class CheckpointTier:
+    """The engine's checkpoints as the rollback disk tier, with the one trust rule."""
+
+    def __init__(self, confirm_steps: int) -> None:
+        self.confirm_steps = max(1, int(confirm_steps))
+        self.entries: list[dict[str, Any]] = []  # {"step", "path", "healthy", "tested", "bad"}
+
+    def saved(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> None:
+        """The engine wrote a checkpoint after update ``step`` (one entry per file; a re-used name
+        replaces the entry: the old content is gone)."""
+        for path in paths or ("",):
+            path = str(path)
+            self.entries = [e for e in self.entries if not (e["path"] == path and (path or e["step"] == step))]
+            self.entries.append({"step": int(step), "path": path, "healthy": 0, "tested": False, "bad": False})
+
+    def observe(self, step: int, healthy: bool, bad: bool) -> None:
+        """One step's verdict (see :func:`step_verdict`)."""
+        for e in self.entries:
+            if e["tested"] or e["bad"] or step <= e["step"]:
+                continue
+            if bad:
+                e["bad"] = True
+            elif healthy:
+                e["healthy"] += 1
+                e["tested"] = e["healthy"] >= self.confirm_steps
+
+    def candidates(self) -> list[dict[str, Any]]:
+        """Trusted entries, newest first."""
+        return sorted((e for e in self.entries if e["tested"] and not e["bad"]), key=lambda e: e["step"], reverse=True)
+
+    def forget(self, entry: dict[str, Any]) -> None:
+        self.entries = [e for e in self.entries if e is not entry]
+
+    def drop_after(self, step: int) -> None:
+        """Entries newer than a restored one describe a discarded future."""
+        self.entries = [e for e in self.entries if e["step"] <= step]
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [dict(e) for e in self.entries]
+
+    def load_state_dict(self, state: list[dict[str, Any]] | None) -> None:
+        self.entries = []
+        for e in state or []:
+            e = dict(e)
+            e.setdefault("path", "")
+            e.setdefault("healthy", 1 if e.get("tested") else 0)
+            self.entries.append(e)
+
+
+class UnsafeCheckpoint(Exception):
+    """A checkpoint file does not load with ``weights_only=True`` (it holds pickled objects)."""
+
+
+def safe_load(path_or_bytes: str | bytes | io.BytesIO, *, loader: Callable[..., Any] | None = None) -> Any:
+    """``torch.load(..., map_location="cpu", weights_only=True)``: tensors, containers and
+    primitives only; a pickled object is refused, never executed. ``loader`` (an engine's own reader,
+    e.g. for remote filesystems) is called with ``weights_only=True``. Raises :class:`UnsafeCheckpoint`
+    naming the refused content."""
+    try:
+        if loader is not None:
+            return loader(path_or_bytes, weights_only=True)
+        src = io.BytesIO(path_or_bytes) if isinstance(path_or_bytes, bytes) else path_or_bytes
+        return torch.load(src, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        if "weights_only" in text or "Unpickl" in type(exc).__name__ or "Unsupported global" in text:
+            first = text.splitlines()[0] if text else ""
+            raise UnsafeCheckpoint(f"not loadable with weights_only=True, skipped unread ({first[:200]})") from exc
+        raise
+
+
+def load_optimizer_keeping_settings(optimizer: torch.optim.Optimizer, state: dict[str, Any], *,
+                                    restore_schedule: bool) -> None:
+    """Load an optimizer state (moments, step counts) but keep the current settings of every param
+    group: the policy's Adam moves, weight decay, and the schedule's ``lr``/``initial_lr`` unless
+    ``restore_schedule``. The state is copied (the optimizer never aliases the given tensors)."""
+    from .snapshot import copy_state
+
+    current = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(copy_state(state, device=None))
+    for g, kept in zip(optimizer.param_groups, current):
+        if restore_schedule:
+            kept = {k: v for k, v in kept.items() if k not in ("lr", "initial_lr")}
+        g.update(kept)
+
+
+@torch.no_grad()
+def restore_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, payload: dict[str, Any], *,
+                           restore_schedule: bool, scheduler: Any = None, scaler: Any = None) -> None:
+    """Put a checkpoint read by a :class:`~gradguard.contract.CheckpointSource` back into training:
+    weights copied into the existing parameters (keys absent from the file, e.g. tied weights, are
+    left alone), optimizer state with the current settings kept, scheduler state only with
+    ``restore_schedule``, the GradScaler state when there is one."""
+    own = model.state_dict()
+    for k, v in payload["model"].items():
+        own[k].copy_(v)
+    load_optimizer_keeping_settings(optimizer, payload["optimizer"], restore_schedule=restore_schedule)
+    if restore_schedule and scheduler is not None and payload.get("scheduler") is not None:
+        scheduler.load_state_dict(payload["scheduler"])
+    if scaler is not None and payload.get("scaler"):
+        scaler.load_state_dict(payload["scaler"])
+
+
+def check_weights(weights: dict[str, torch.Tensor], own: dict[str, torch.Tensor], *, exact: bool) -> None:
+    """Raise ValueError when ``weights`` do not fit the model (unknown keys, other shapes; with
+    ``exact`` also missing keys)."""
+    unexpected = [k for k in weights if k not in own]
+    missing = [k for k in own if k not in weights] if exact else []
+    if unexpected or missing or not weights:
+        raise ValueError(f"weights do not match the model (unexpected keys {unexpected[:3]}, missing {missing[:3]})")
+    for k, v in weights.items():
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise ValueError(f"weight {k} has shape {tuple(v.shape)}, the model {tuple(own[k].shape)}")
+
+
+def rollback_from_checkpoints(tier: CheckpointTier, source: CheckpointSource, collective: Collective,
+                              emit: Callable[[dict[str, Any]], None], step: int,
+                              detectors: Any = None) -> dict[str, Any] | None:
+    """The rollback loop over the engine's checkpoints: the newest trusted one that every process
+    can read is restored (one vote per file tried). Unusable files (gone, overwritten, unsafe,
+    mismatched) are forgotten with a ``snapshot_fallback`` event naming the file and why. Returns
+    ``{"to_step", "path", "source": "checkpoint"}`` or None."""
+    for entry in tier.candidates():
+        path = entry["path"]
+        payload, problem = None, ""
+        try:
+            payload = source.read(path, int(entry["step"]))
+        except Exception as exc:
+            problem = f"{path}: {type(exc).__name__}: {exc}"[:400]
+        if not collective.all_agree(payload is not None):  # every process restores, or none does
+            tier.forget(entry)
+            emit({"type": "snapshot_fallback", "step": step, "wanted": entry["step"], "path": path,
+                  "problems": [problem or f"{path}: unreadable on another process"]})
+            continue
+        assert payload is not None
+        source.restore(payload)
+        guard = payload.get("guard") or {}
+        if detectors is not None and guard.get("detectors"):
+            detectors.load_state_dict(guard["detectors"])
+        tier.drop_after(int(entry["step"]))
+        return {"to_step": int(entry["step"]), "path": path, "source": "checkpoint"}
+    return None
+
+
+def file_exists(path: str) -> bool:
+    return bool(path) and os.path.exists(path)
