@@ -443,8 +443,17 @@ class OutputConfig:
     metrics_interval: int = 10
     """Per-step metrics are sent to metric sinks every this many steps (events are never delayed)."""
 
+    halt_raises: bool = True
+    """After a halt (the step is not applied, training stops, ``diagnosis.json`` is written next to
+    the event log and the engine saves), raise :class:`gradguard.GradGuardHalt` from the engine's
+    entry point (``guard.step``, ``trainer.train()``, ``trainer.fit()``). False: only stop; the
+    diagnosis is on the adapter's ``.diagnosis`` (and ``report.diagnosis``). Same in every engine."""
+
     def __post_init__(self) -> None:
         _positive(self, "metrics_interval", integer=True)
+        for name in ("jsonl", "console", "halt_raises"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(f"{self._path}.{name}", getattr(self, name), "must be a bool", f"pass {name}=True or False")
 
 
 _SECTIONS = {

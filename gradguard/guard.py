@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._compat import scaler_found_inf, scaler_scale, set_scaler_scale
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
 from .config import GuardConfig
 from .contract import CheckpointSource, Collective
@@ -68,16 +69,7 @@ class StepReport:
 
 def _scaler_state(scaler: Any, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(scale tensor, found_inf tensor) of an enabled GradScaler after unscale_, without a sync."""
-    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
-        return None, None
-    scale = getattr(scaler, "_scale", None)
-    found = None
-    states = getattr(scaler, "_per_optimizer_states", {})
-    st = states.get(id(optimizer)) if isinstance(states, dict) else None
-    if st and st.get("found_inf_per_device"):
-        vals = list(st["found_inf_per_device"].values())
-        found = vals[0] if len(vals) == 1 else torch.stack([v.to(vals[0].device) for v in vals]).sum()
-    return scale, found
+    return scaler_scale(scaler), scaler_found_inf(scaler, optimizer)
 
 
 def event_log_dir(out_dir: str) -> str:
@@ -481,6 +473,12 @@ class GuardCore:
             return float(report.scale)
         return None
 
+    def keep_scale(self, report: StepReport, scaler: Any) -> bool:
+        """After the engine's GradScaler update: put back the scale :meth:`scale_to_keep` wants.
+        True when it did."""
+        keep = self.scale_to_keep(report)
+        return keep is not None and set_scaler_scale(scaler, keep)
+
     def record(self, action: Action) -> Action:
         """Count and log an action an adapter took by itself (e.g. an out-of-memory retry)."""
         return self._record(action)
@@ -628,7 +626,9 @@ class Guard(GuardCore):
     * Pass the *unscaled* loss; with a GradScaler the guard unscales the gradients itself.
     * A skipped step does not advance the scheduler (nor Adam's step count); the scheduler is
       stepped only after an applied optimizer step. ``ReduceLROnPlateau`` is left to the caller.
-    * On a halt, ``GradGuardHalt`` is raised (the step is not applied).
+    * On a halt the step is not applied, ``diagnosis.json`` is written next to the event log and
+      ``GradGuardHalt`` is raised (``output.halt_raises=False``: ``report.halt`` is True and
+      ``guard.halted`` holds the diagnosis; stop the loop yourself).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
@@ -643,6 +643,7 @@ class Guard(GuardCore):
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
         self._step_scheduler = scheduler is not None and not isinstance(scheduler, plateau)
         self.batches = batches
+        self.halted: dict[str, Any] | None = None
         if batches is not None:
             self.register_actuator("skip_data", self._skip_data)
             self.attach_batches(batches)
@@ -707,8 +708,10 @@ class Guard(GuardCore):
             self.scheduler.step()
         self.after_step(report)
         if report.halt:
+            self.halted = report.diagnosis or {}
             self.close()
-            raise GradGuardHalt(report.diagnosis or {})
+            if self.config.output.halt_raises:
+                raise GradGuardHalt(self.halted)
         return report
 
     def state_dict(self) -> dict[str, Any]:

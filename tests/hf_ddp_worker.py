@@ -32,7 +32,7 @@ def main(out: str, mode: str) -> None:
         save = dict(save_strategy="no")
     else:
         conf = gg.GuardConfig.preset("default", output={"console": False}, policy={"ladder": [["rollback"]]},
-                                     recovery={"snapshot_interval": 0})
+                                     recovery={"snapshot_interval": 0, "confirm_steps": 1})
         save = dict(save_strategy="steps", save_steps=2)
     cb = GradGuardCallback(config=conf)
     args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], max_steps=8, per_device_train_batch_size=4,

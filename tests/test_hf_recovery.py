@@ -143,7 +143,8 @@ def test_rollback_from_the_trainers_checkpoint_when_no_snapshot_is_kept(tmp_path
     from safetensors.torch import load_file
 
     probe = Probe()
-    conf = cfg(tmp_path, recovery={"snapshot_interval": 0, "skip_batches": 1})  # no host-memory copies
+    # no host-memory copies; one trust rule in every engine: trusted after confirm_steps healthy steps
+    conf = cfg(tmp_path, recovery={"snapshot_interval": 0, "skip_batches": 1, "confirm_steps": 2})
     cb = GradGuardCallback(config=conf)
     tr = make_trainer(tmp_path, [cb, probe], steps=10, save_strategy="steps", save_steps=3)
     inject(tr, {7: 4.0, 8: 4.0})
@@ -236,7 +237,8 @@ def test_ddp_rollback_to_a_checkpoint_folder_on_every_rank(tmp_path):
 
 def test_unreadable_checkpoint_falls_back_to_the_next_older_one(tmp_path):
     probe = Probe()
-    cb = GradGuardCallback(config=cfg(tmp_path, recovery={"snapshot_interval": 0}))
+    # one trust rule in every engine: trusted after recovery.confirm_steps healthy steps (1 here)
+    cb = GradGuardCallback(config=cfg(tmp_path, recovery={"snapshot_interval": 0, "confirm_steps": 1}))
     tr = make_trainer(tmp_path, [cb, probe], steps=10, save_strategy="steps", save_steps=2)
 
     class Corrupt(TrainerCallback):  # damage checkpoint-4's weights after it was written and trusted

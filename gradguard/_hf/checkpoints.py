@@ -1,0 +1,81 @@
+"""The Trainer's ``checkpoint-*`` folders as a :class:`gradguard.contract.CheckpointSource`."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from ..recovery import check_weights, restore_training_state, safe_load
+
+__all__ = ["TrainerCheckpoints", "STATE_FILE", "read_weights"]
+
+#: Name of the guard's state file inside each ``checkpoint-*`` folder.
+STATE_FILE = "gradguard_state.json"
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """The model weights of a Trainer checkpoint folder (safetensors or .bin, sharded or not);
+    ``.bin`` files are read with ``weights_only=True`` only."""
+    for name, kind in (("model.safetensors", "st"), ("pytorch_model.bin", "bin")):
+        f = os.path.join(path, name)
+        if os.path.isfile(f):
+            return _read_one(f, kind)
+    for index, kind in (("model.safetensors.index.json", "st"), ("pytorch_model.bin.index.json", "bin")):
+        f = os.path.join(path, index)
+        if os.path.isfile(f):
+            with open(f, encoding="utf-8") as fh:
+                files = sorted(set(json.load(fh)["weight_map"].values()))
+            out: dict[str, torch.Tensor] = {}
+            for shard in files:
+                out.update(_read_one(os.path.join(path, shard), kind))
+            return out
+    raise FileNotFoundError("no model.safetensors / pytorch_model.bin (adapter-only checkpoints are not restorable)")
+
+
+def _read_one(f: str, kind: str) -> dict[str, torch.Tensor]:
+    if kind == "st":
+        from safetensors.torch import load_file
+
+        return load_file(f, device="cpu")
+    return safe_load(f)
+
+
+class TrainerCheckpoints:
+    """Reads a ``checkpoint-<step>`` folder (weights, ``optimizer.pt``, ``scaler.pt``,
+    ``scheduler.pt``, the guard's ``gradguard_state.json``) and puts it back into training."""
+
+    def __init__(self, output_dir: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 scaler: Any = None, scheduler: Any = None, restore_schedule: bool = False) -> None:
+        self.output_dir = output_dir
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.scheduler = scheduler
+        self.restore_schedule = restore_schedule
+
+    def saved_paths(self, step: int) -> list[str]:
+        return [os.path.join(self.output_dir, f"checkpoint-{step}")]
+
+    def read(self, path: str, step: int) -> dict[str, Any]:
+        path = path or self.saved_paths(step)[0]
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path}: folder is gone")
+        weights = read_weights(path)
+        check_weights(weights, self.model.state_dict(), exact=False)  # tied weights may be absent
+        out: dict[str, Any] = {"model": weights, "scaler": None, "scheduler": None, "guard": None,
+                               "optimizer": safe_load(os.path.join(path, "optimizer.pt"))}
+        if self.scaler is not None and os.path.isfile(os.path.join(path, "scaler.pt")):
+            out["scaler"] = safe_load(os.path.join(path, "scaler.pt"))
+        if self.restore_schedule and self.scheduler is not None and os.path.isfile(os.path.join(path, "scheduler.pt")):
+            out["scheduler"] = safe_load(os.path.join(path, "scheduler.pt"))
+        if os.path.isfile(os.path.join(path, STATE_FILE)):
+            with open(os.path.join(path, STATE_FILE), encoding="utf-8") as fh:
+                out["guard"] = (json.load(fh) or {}).get("guard")
+        return out
+
+    def restore(self, payload: dict[str, Any]) -> None:
+        restore_training_state(self.model, self.optimizer, payload, restore_schedule=self.restore_schedule,
+                               scheduler=self.scheduler, scaler=self.scaler)

@@ -1,0 +1,156 @@
+"""The Trainer's ``training_step``, run by gradguard: micro-batch losses, out-of-memory retries in
+smaller chunks, and data windows skipped after a rollback (not computed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._compat import shadow_method, unshadow_method
+from ..act import drop_grads
+from ..adapter import free_memory
+from ..data import batch_len, split_batch
+from ..policy import Action
+
+__all__ = ["StepRunner"]
+
+
+class StepRunner:
+    """Per-run micro-batch state of the HF adapter, and the ``training_step`` wrapper (installed only
+    when the policy acts: monitor mode changes nothing)."""
+
+    def __init__(self, core: Any, args: Any, params: list[torch.nn.Parameter]) -> None:
+        self.core = core
+        self.args = args
+        self.params = params
+        self.trainer: Any = None
+        self.losses: list[torch.Tensor] = []  # this step's micro-batch losses (the forward hook)
+        self.sum_semantics = False  # the Trainer passed num_items_in_batch: losses are already normalised
+        self.splits = 1  # every micro-batch runs as this many chunks (after an out-of-memory error)
+        self.micro_in_step = 0
+        self.last_micro = 0
+        self.poisoned = False  # an out-of-memory error left this step's gradients half-accumulated
+        self.discard_left = 0  # upcoming optimizer steps whose data is skipped (after a rollback)
+        self.last_step_loss: float | None = None
+        self._orig: Any = None
+        self._wrapper: Any = None
+        self._previous: Any = None
+
+    @property
+    def wrapped(self) -> bool:
+        return self._orig is not None
+
+    # -- the step's loss ----------------------------------------------------------------------
+    def take_step_loss(self) -> torch.Tensor | None:
+        if not self.losses:
+            return None
+        stacked = torch.stack(self.losses)
+        self.losses = []
+        if not self.sum_semantics:
+            return stacked.mean()
+        # with num_items_in_batch each micro-batch loss is already divided by the whole step's count;
+        # with average_tokens_across_devices that count spans every process (the Trainer multiplies
+        # the loss by the process count afterwards; the mean over ranks then gives the true loss)
+        loss = stacked.sum()
+        world = int(getattr(self.args, "world_size", 1) or 1)
+        if world > 1 and getattr(self.args, "average_tokens_across_devices", False):
+            loss = loss * world
+        return loss
+
+    # -- the wrapper ----------------------------------------------------------------------------
+    def wrap(self, trainer: Any) -> None:
+        self.trainer = trainer
+        orig = trainer.training_step
+        self._orig = orig
+
+        def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None, *args: Any, **kwargs: Any) -> Any:
+            return self._guarded(orig, model, inputs, num_items_in_batch, *args, **kwargs)
+
+        self._wrapper = training_step
+        self._previous = shadow_method(trainer, "training_step", training_step)
+
+    def unwrap(self) -> None:
+        if self.trainer is not None and self._orig is not None:
+            unshadow_method(self.trainer, "training_step", self._wrapper, self._previous)
+        self._orig = None
+
+    def placeholder_loss(self) -> torch.Tensor:
+        """What a not-computed micro-batch reports to the Trainer's loss log: the last healthy
+        step's loss, spread over the step's micro-batches (so the logged loss stays truthful)."""
+        tr = self.trainer
+        g = getattr(tr, "current_gradient_accumulation_steps", None) or tr.args.gradient_accumulation_steps
+        v = self.last_step_loss if self.last_step_loss is not None else 0.0
+        return torch.tensor(v / max(1, g), device=tr.args.device)
+
+    def _guarded(self, orig: Any, model: Any, inputs: Any, num_items_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        core = self.core
+        if self.discard_left > 0 or self.poisoned:
+            return self.placeholder_loss()  # this step's data is skipped: no forward, no backward
+        first = self.micro_in_step == 0
+        self.micro_in_step += 1
+        size = batch_len(inputs)
+        self.last_micro = size or self.last_micro
+        while True:
+            start = len(self.losses)
+            try:
+                return self._run_chunks(orig, model, inputs, num_items_in_batch, *args, **kwargs)
+            except torch.OutOfMemoryError as exc:
+                touched = len(self.losses) > start  # a forward finished: backward may have touched grads
+                del self.losses[start:]
+                old = -(-size // self.splits) if size else 0
+                if old <= 1 or getattr(self.args, "world_size", 1) > 1:
+                    raise  # nothing left to split; or several processes, which must stay in lockstep
+                message = f"{type(exc).__name__}: {exc}"[:160]
+            free_memory()  # outside the except block, so the failed attempt's tensors can be freed
+            self.splits *= 2
+            params: dict[str, Any] = {"micro_batch": [old, -(-size // self.splits)], "splits": self.splits}
+            step = core.step_count + 1
+            if touched and not first:
+                # earlier micro-batches' gradients are mixed with a half-finished backward
+                drop_grads(self.params)
+                self.poisoned = True
+                core.record(Action("oom_shrink_micro", step, f"out of memory during backward ({message}): the "
+                                   "step's gradients are dropped and the step skipped", {**params, "step_skipped": True}))
+                return self.placeholder_loss()
+            if touched:
+                drop_grads(self.params)  # first micro-batch of the step: nothing else is lost
+            core.record(Action("oom_shrink_micro", step, f"out of memory ({message}): the same samples are "
+                               "retried in smaller chunks", {**params, "retried": True}))
+
+    def _run_chunks(self, orig: Any, model: Any, inputs: Any, num_items_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        tr = self.trainer
+        attr = "current_gradient_accumulation_steps"
+        n = batch_len(inputs)
+        chunks = split_batch(inputs, n, self.splits) if n and self.splits > 1 and hasattr(tr, attr) else []
+        if len(chunks) <= 1:
+            return orig(model, inputs, num_items_in_batch, *args, **kwargs)
+        total = sum(n for _, n in chunks)
+        g = getattr(tr, attr)
+        start = len(self.losses)
+        out = None
+        try:
+            for chunk, n in chunks:
+                # mean-loss semantics: each chunk weighs n / total of the micro-batch (the Trainer
+                # divides by this attribute); with num_items_in_batch the loss is already exact
+                setattr(tr, attr, g * total / n)
+                r = orig(model, chunk, num_items_in_batch, *args, **kwargs)
+                out = r if out is None else out + r
+        finally:
+            setattr(tr, attr, g)
+        vals = self.losses[start:]
+        if len(vals) == len(chunks):
+            if self.sum_semantics:
+                self.losses[start:] = [torch.stack(vals).sum()]
+            else:
+                self.losses[start:] = [sum(v * (n / total) for v, (_, n) in zip(vals, chunks))]
+        return out
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"discard_left": self.discard_left, "splits": self.splits, "last_step_loss": self.last_step_loss}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.discard_left = int(state.get("discard_left", 0))
+        self.splits = int(state.get("splits", 1))
+        self.last_step_loss = state.get("last_step_loss")

@@ -1,0 +1,147 @@
+"""What every engine adapter does the same way, implemented once.
+
+* :func:`refuse_unsupported`: the setups no engine guards (DeepSpeed, FSDP, optimizers that update
+  inside backward): :class:`UnsupportedSetupError` at attach when the policy acts; in monitor mode a
+  warning, and the guard stands aside (it must never be what stops a run the engine accepts).
+* :func:`resolve_clip`: the clip conflict rule. gradguard owns norm clipping when it acts and
+  ``clip.mode`` is not ``"off"``: the engine's own setting (``max_grad_norm``,
+  ``gradient_clip_val``) becomes the guard's starting ``clip.max_norm``; if both were set to
+  different values, :class:`ConfigError`. When the guard does not clip (monitor mode or
+  ``clip.mode="off"``) the engine's clipping is left as it is.
+* :func:`may_wrap`: monitor mode installs no wrapper anywhere (``training_step``, ``backward``).
+* :class:`SchedulerHold`: a skipped optimizer step does not move the LR schedule (the engine's next
+  ``scheduler.step()`` is swallowed).
+* :class:`HaltLatch`: a halt stops the engine, writes ``diagnosis.json`` and, at the end of fit,
+  raises :class:`GradGuardHalt` (``output.halt_raises=False``: only stops).
+* :func:`free_memory`: after an out-of-memory error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+from typing import Any
+
+import torch
+
+from ._compat import shadow_method, unshadow_method
+from .config import ClipConfig, GuardConfig
+from .errors import ConfigError, GradGuardHalt, UnsupportedSetupError, warn
+
+__all__ = ["refuse_unsupported", "resolve_clip", "may_wrap", "SchedulerHold", "HaltLatch", "free_memory",
+           "halt_raises"]
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def refuse_unsupported(config: GuardConfig, problems: dict[str, str]) -> bool:
+    """``problems``: ``{setting: why it cannot be guarded}`` found by the adapter (an empty dict:
+    supported). Acting: raises :class:`UnsupportedSetupError` for the first one. Monitor mode:
+    warns and returns False (the adapter then does not attach). True when the run can be guarded."""
+    if not problems:
+        return True
+    setting, why = next(iter(problems.items()))
+    message = f"{setting}: {why}"
+    if config.policy.act:
+        raise UnsupportedSetupError(message)
+    warn(f"gradguard: {message.split(' Fix:')[0]}. Monitor mode stands aside: this run is not watched")
+    return False
+
+
+def resolve_clip(config: GuardConfig, engine_value: float | None, *, engine_default: float | None,
+                 setting: str) -> tuple[GuardConfig, float | None]:
+    """The one clip rule. Returns (the config to build the core with, the engine clip value to leave
+    in force or replay when the guard does not clip, else None)."""
+    v = float(engine_value) if engine_value not in (None, False) else 0.0
+    engine_clips = 0 < v < math.inf
+    if not config.policy.act or config.clip.mode == "off":
+        return config, (v if engine_clips else None)
+    if not engine_clips or v == config.clip.max_norm:
+        return config, None
+    default_max = ClipConfig().max_norm
+    user_set_engine = engine_default is None or v != float(engine_default)
+    if user_set_engine and config.clip.max_norm != default_max:
+        raise ConfigError(
+            f"{setting}={v!r} conflicts with GuardConfig.clip.max_norm={config.clip.max_norm!r}: gradguard owns "
+            "clipping and starts from one of them. Fix: set only one of the two (or make them equal)")
+    clip = dataclasses.replace(config.clip, max_norm=v, floor=min(config.clip.floor, v))
+    return dataclasses.replace(config, clip=clip), None
+
+
+def check_ladder(config: GuardConfig) -> None:
+    if config.policy.act and config.clip.mode == "off" and any("tighten_clip" in r for r in config.policy.ladder):
+        raise ConfigError(
+            f"GuardConfig.clip.mode={config.clip.mode!r} with 'tighten_clip' in GuardConfig.policy.ladder: "
+            "the policy could not tighten a clip that is off. Fix: use clip.mode='fixed' or 'adaptive', or "
+            "remove 'tighten_clip' from the ladder")
+
+
+def may_wrap(config: GuardConfig) -> bool:
+    """Whether an adapter may wrap engine methods (``training_step``, ``backward``): only when the
+    policy acts. Monitor mode changes nothing, out-of-memory handling included."""
+    return bool(config.policy.act)
+
+
+def halt_raises(config: GuardConfig, override: bool | None = None) -> bool:
+    return bool(config.output.halt_raises if override is None else override)
+
+
+class SchedulerHold:
+    """Makes the next ``step()`` of each held scheduler a no-op (a skipped optimizer step must not
+    move the LR schedule), by shadowing the bound method on the instance until released."""
+
+    def __init__(self, schedulers: list[Any] | None = None) -> None:
+        self.schedulers = [s for s in (schedulers or []) if s is not None and hasattr(s, "step")]
+        self._held: list[tuple[Any, Any, Any]] = []  # (scheduler, shadow, previous)
+        self.swallowed = 0
+
+    @property
+    def held(self) -> bool:
+        return bool(self._held)
+
+    def hold(self) -> None:
+        if self._held:
+            return
+        for s in self.schedulers:
+            def _skip(*args: Any, _s: Any = s, **kwargs: Any) -> None:
+                self.swallowed += 1
+                self._release_one(_s)
+
+            self._held.append((s, _skip, shadow_method(s, "step", _skip)))
+
+    def _release_one(self, sched: Any) -> None:
+        for entry in [e for e in self._held if e[0] is sched]:
+            unshadow_method(*entry[:1], "step", entry[1], entry[2])
+            self._held.remove(entry)
+
+    def release(self) -> None:
+        for s, fn, previous in self._held:
+            unshadow_method(s, "step", fn, previous)
+        self._held = []
+
+
+class HaltLatch:
+    """Halting, the same in every engine: the step is not applied, the engine is told to stop (and
+    to save), ``diagnosis.json`` is written next to the event log, and at the end of fit
+    :class:`GradGuardHalt` is raised unless ``output.halt_raises`` is False."""
+
+    def __init__(self, raises: bool) -> None:
+        self.raises = raises
+        self.diagnosis: dict[str, Any] | None = None
+
+    @property
+    def halted(self) -> bool:
+        return self.diagnosis is not None
+
+    def trip(self, diagnosis: dict[str, Any] | None) -> None:
+        self.diagnosis = diagnosis or {}
+
+    def finish(self) -> None:
+        """At the end of fit: raise if halted and raising."""
+        if self.diagnosis is not None and self.raises:
+            raise GradGuardHalt(self.diagnosis)
