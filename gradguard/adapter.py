@@ -142,6 +142,9 @@ class HaltLatch:
         self.diagnosis = diagnosis or {}
 
     def finish(self) -> None:
-        """At the end of fit: raise if halted and raising."""
-        if self.diagnosis is not None and self.raises:
+        """At the end of fit: raise if halted and raising (else one warning with the summary)."""
+        if self.diagnosis is None:
+            return
+        if self.raises:
             raise GradGuardHalt(self.diagnosis)
+        warn(str(GradGuardHalt(self.diagnosis)), stacklevel=3)

@@ -28,7 +28,7 @@ from .config import GuardConfig
 from .contract import CheckpointSource, Collective
 from .contract import collective as default_collective
 from .detect import Detectors, Finding, Signals
-from .errors import ConfigError, GradGuardHalt, StateError, UnsupportedSetupError, is_rank0
+from .errors import ConfigError, GradGuardHalt, StateError, UnsupportedSetupError, is_rank0, warn
 from .measure import GradMeasurer, LayerMap, metric_key
 from .policy import Action, Policy
 from .recovery import CheckpointTier, rollback_from_checkpoints, step_verdict
@@ -712,6 +712,7 @@ class Guard(GuardCore):
             self.close()
             if self.config.output.halt_raises:
                 raise GradGuardHalt(self.halted)
+            warn(str(GradGuardHalt(self.halted)), stacklevel=2)
         return report
 
     def state_dict(self) -> dict[str, Any]:

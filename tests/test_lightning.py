@@ -286,8 +286,11 @@ def test_adam_beta2_eps_action(tmp_path):
 def test_halt_stops_the_trainer_with_a_diagnosis(tmp_path):
     m = LitGPT(spike_at={6, 7})
     cb = GradGuardCallback(cfg(tmp_path, policy={"ladder": [["halt"]]}, recovery={"snapshot_interval": 0}))
-    with pytest.warns(UserWarning, match="gradguard halted"):
-        trainer = fit(m, [cb], tmp_path=tmp_path, steps=20)
+    trainer = None
+    with pytest.raises(gg.GradGuardHalt, match="gradguard halted") as exc:  # one halt rule in every engine
+        fit(m, [cb], tmp_path=tmp_path, steps=20)
+    trainer = cb._trainer
+    assert exc.value.diagnosis == cb.diagnosis and cb.diagnosis_path is not None
     assert trainer.should_stop and trainer.global_step == 7
     assert torch.equal(m.params[6], m.params[7])  # the halting step was not applied
     with open(os.path.join(str(tmp_path), "gradguard", "diagnosis.json"), encoding="utf-8") as fh:

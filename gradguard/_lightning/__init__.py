@@ -1,0 +1,3 @@
+"""Engine plumbing of the Lightning adapter (``gradguard.lightning``): the train DataLoader as a
+loader handle, the ``ModelCheckpoint`` files as a checkpoint source, the step wrappers (out-of-memory
+retry, data windows not computed)."""

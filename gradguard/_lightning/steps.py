@@ -1,0 +1,298 @@
+"""The Lightning step wrappers: ``training_step`` (a data window skipped after a rollback is not
+computed; an out-of-memory error is retried in pieces) and, on one process in automatic
+optimization, ``trainer.strategy.backward`` (an out-of-memory error in the backward). Installed
+only when the policy acts (monitor mode wraps nothing); removed at teardown."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .._compat import shadow_method, unshadow_method
+from ..act import drop_grads
+from ..adapter import free_memory as _free_memory
+from ..data import batch_len, split_batch
+from ..policy import Action
+
+__all__ = ["StepWrappers"]
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        return output.get("loss")
+    return None
+
+
+class _PartialGrads(Exception):
+    """A backward failed half-way: some gradients of the failed piece were already accumulated."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
+
+class StepWrappers:
+    """Owns the wrappers and the out-of-memory state of one Lightning run; reads the callback's
+    core, scaler, batch controller and data-window flag."""
+
+    def __init__(self, cb: Any) -> None:
+        self.cb = cb
+        self._wrapped: list[tuple[Any, str, Any, Any]] = []  # (object, attribute, wrapper, previous)
+        self._current: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # training_step's arguments
+        self._stash: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._orig_training_step: Any = None
+        self._poisoned = False  # an out-of-memory error left this step's gradients unusable
+        self.oom_events = 0
+
+    @property
+    def _trainer(self) -> Any:
+        return self.cb._trainer
+
+    @property
+    def core(self) -> Any:
+        return self.cb.core
+
+    @property
+    def config(self) -> Any:
+        return self.cb.config
+
+    @property
+    def scaler(self) -> Any:
+        return self.cb.scaler
+
+    @property
+    def batches(self) -> Any:
+        return self.cb.batches
+
+    @property
+    def _window_step(self) -> bool:
+        return bool(self.cb._window_step)
+
+    def install(self, trainer: Any, pl_module: Any) -> None:
+        self.remove()
+        orig = pl_module.training_step
+        try:
+            params = inspect.signature(orig).parameters
+        except (TypeError, ValueError):
+            params = {}  # type: ignore[assignment]
+        if "dataloader_iter" in params:
+            return  # the step fetches its own batches: nothing to skip or split
+
+        @functools.wraps(orig)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            return self._training_step(orig, *args, **kwargs)
+
+        self._wrap(pl_module, "training_step", training_step)
+        self._orig_training_step = orig
+        if trainer.world_size == 1 and self.config.policy.act and pl_module.automatic_optimization:
+            strategy = trainer.strategy
+            orig_backward = strategy.backward
+
+            @functools.wraps(orig_backward)
+            def backward(closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+                return self._backward(orig_backward, closure_loss, optimizer, *args, **kwargs)
+
+            self._wrap(strategy, "backward", backward)
+
+    def _wrap(self, obj: Any, attr: str, wrapper: Any) -> None:
+        self._wrapped.append((obj, attr, wrapper, shadow_method(obj, attr, wrapper)))
+
+    def remove(self) -> None:
+        for obj, attr, wrapper, previous in reversed(self._wrapped):
+            unshadow_method(obj, attr, wrapper, previous)  # someone else's later wrapper is left in place
+        self._wrapped = []
+        self._current = None
+        self.restore_stash()
+
+    def _trainable(self, pl_module: Any) -> list[torch.nn.Parameter]:
+        return [p for p in pl_module.parameters() if p.requires_grad]
+
+    def _training_step(self, orig: Any, *args: Any, **kwargs: Any) -> Any:
+        trainer = self._trainer
+        pl_module = trainer.lightning_module
+        self._current = (args, kwargs)
+        if pl_module.automatic_optimization and (self._window_step or self._poisoned):
+            if trainer.world_size > 1:
+                # Lightning refuses None under DDP: a zero loss that touches every parameter keeps the
+                # gradient all-reduce of every rank in step (no model forward runs)
+                return sum((p.reshape(-1)[:1].sum() for p in self._trainable(pl_module)),
+                           torch.zeros((), device=pl_module.device)) * 0.0
+            return None  # no forward/backward; the step is dropped in on_before_optimizer_step
+        try:
+            return orig(*args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            if not self._oom_recoverable(trainer, pl_module, args):
+                raise
+            message = str(exc)[:200]
+        # outside the except block: the failed forward's frames (and activations) are released
+        _free_memory()
+        return self._oom_retry(orig, args, kwargs, message, in_forward=True)
+
+    def _backward(self, orig_backward: Any, closure_loss: torch.Tensor, optimizer: Any, *args: Any,
+                  **kwargs: Any) -> Any:
+        try:
+            return orig_backward(closure_loss, optimizer, *args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            trainer = self._trainer
+            pl_module = trainer.lightning_module
+            if self._current is None or not self._oom_recoverable(trainer, pl_module, self._current[0]):
+                raise
+            message = str(exc)[:200]
+        closure_loss = closure_loss.detach()  # drop the (partly freed) graph
+        _free_memory()
+        args_, kwargs_ = self._current  # type: ignore[misc]
+        done = self._oom_retry(self._orig_training_step, args_, kwargs_, message, in_forward=False)
+        if done is not None:  # the pieces' gradients are in place: run Lightning's after-backward hooks
+            strategy = self._trainer.strategy
+            closure_loss = strategy.precision_plugin.post_backward(closure_loss, self._trainer.lightning_module)
+            strategy.post_backward(closure_loss)
+        return closure_loss
+
+    def _oom_recoverable(self, trainer: Any, pl_module: Any, args: tuple[Any, ...]) -> bool:
+        return bool(self.core is not None and self.config.policy.act and pl_module.automatic_optimization
+                    and trainer.world_size == 1 and args and batch_len(args[0]) > 1)
+
+    def _oom_retry(self, orig: Any, args: tuple[Any, ...], kwargs: dict[str, Any], message: str,
+                   in_forward: bool) -> Any:
+        """Run the micro-batch whose forward or backward ran out of memory again in halves (quarters...
+        when a half fails too). Exact: a forward failure added no gradient; a backward failure in
+        the first micro-batch of an accumulation window is undone by dropping the gradients (Lightning
+        zeroes them for this window anyway). A backward failure later in a window is not: the step
+        is skipped. Returns the training_step output for Lightning (``in_forward``), else True, or
+        None for a skipped step."""
+        trainer = self._trainer
+        pl_module = trainer.lightning_module
+        acc = int(trainer.accumulate_grad_batches)
+        first = trainer.fit_loop.epoch_loop.batch_idx % acc == 0
+        params = self._trainable(pl_module)
+        n = batch_len(args[0])
+        if first:
+            drop_grads(params)  # the previous step's (Lightning zero-grads after training_step)
+        elif not in_forward:
+            return self._poison(params, message, n)
+        parts, smallest_failed = 2, n
+        ctx = contextlib.nullcontext if in_forward else trainer.precision_plugin.train_step_context
+        while True:
+            try:
+                total, output, failed = self._run_pieces(orig, args, kwargs, parts, acc, ctx)
+                smallest_failed = min(smallest_failed, failed)
+                break
+            except _PartialGrads as partial:
+                smallest_failed = min(smallest_failed, partial.size)
+            _free_memory()
+            if not first:
+                return self._poison(params, message, n)
+            drop_grads(params)
+            parts *= 2
+            if parts > 2 * n or smallest_failed <= 1:
+                raise torch.OutOfMemoryError(message)
+        self._after_oom(message, n, -(-smallest_failed // 2), in_forward)
+        if not in_forward:
+            return True
+        if total is None:
+            return None
+        # Lightning zero-grads the first micro-batch of a window after training_step, then runs the
+        # backward of what is returned: park the pieces' gradients until on_before_backward, and
+        # return a leaf holding the micro-batch's loss (its backward touches no parameter).
+        self._stash = [(p, p.grad) for p in params if p.grad is not None]
+        for p, _ in self._stash:
+            p.grad = None
+        placeholder = total.detach().clone().requires_grad_(True)
+        if isinstance(output, Mapping):
+            return {**{k: v for k, v in output.items() if k != "loss"}, "loss": placeholder}
+        return placeholder
+
+    def _run_pieces(self, orig: Any, args: tuple[Any, ...], kwargs: dict[str, Any], parts: int, acc: int,
+                    ctx: Any) -> tuple[torch.Tensor | None, Any, int]:
+        """Forward and backward of one micro-batch in pieces, each loss weighted by its share of the
+        micro-batch (and 1/accumulation, as Lightning does). A piece whose forward fails is split
+        again. Returns (the micro-batch's loss, the last piece's output, the smallest size that
+        failed). Raises ``_PartialGrads`` when a backward fails."""
+        batch, rest = args[0], args[1:]
+        n = batch_len(batch)
+        queue = split_batch(batch, n, parts)
+        scaler = self.scaler if self.scaler is not None and self.scaler.is_enabled() else None
+        total: torch.Tensor | None = None
+        output: Any = None
+        failed = n
+        while queue:
+            piece, size = queue.pop(0)
+            out, ran = None, False
+            try:
+                with ctx():
+                    out = orig(piece, *rest, **kwargs)
+                ran = True
+            except torch.OutOfMemoryError:
+                if size <= 1:
+                    raise
+            if not ran:
+                failed = min(failed, size)
+                _free_memory()
+                queue[0:0] = split_batch(piece, size, 2)
+                continue
+            loss = _loss_of(out)
+            if loss is None:
+                continue
+            weight = size / n
+            ok = False
+            try:
+                with torch.autocast(loss.device.type, enabled=False):
+                    scaled = loss * (weight / acc)
+                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                ok = True
+            except torch.OutOfMemoryError:
+                pass
+            if not ok:
+                raise _PartialGrads(size)
+            value = loss.detach().float() * weight
+            total = value if total is None else total + value
+            output = out
+            del loss, out
+        return total, output, failed
+
+    def _poison(self, params: list[torch.nn.Parameter], message: str, n: int) -> None:
+        drop_grads(params)
+        self._poisoned = True  # the rest of the window is not computed; the step is skipped
+        self.oom_events += 1
+        if self.core is not None:
+            self.core.record(Action("oom_skip_step", self.core.step_count + 1, f"out of memory: {message}",
+                                    {"samples": n, "why": "a backward failed after earlier micro-batches of the "
+                                     "accumulation window: their gradients cannot be separated"}))
+        return None
+
+    def _after_oom(self, message: str, n: int, fits: int, in_forward: bool) -> None:
+        """Record the retry and halve the loader's micro-batch until it is at most ``fits``."""
+        core = self.core
+        assert core is not None
+        self.oom_events += 1
+        params: dict[str, Any] = {"samples": n, "retried_pieces_of": fits, "in": "forward" if in_forward else "backward"}
+        moved = None
+        ctl = self.batches
+        if ctl is not None:
+            start = ctl.target()[0]
+            while ctl.target()[0] > fits and ctl.shrink_micro() is not None:
+                pass
+            if ctl.target()[0] < start:
+                moved = (start, ctl.target()[0])
+            params["micro_batch"] = list(moved) if moved else [start, start]
+            params["accumulation"] = ctl.accumulation_steps
+        else:
+            params["unavailable"] = ("the train DataLoader's batch sampler cannot be resized: each such batch is "
+                                     "retried in pieces")
+        core.record(Action("oom_shrink_micro" if moved else "oom_retry", core.step_count + 1,
+                           f"out of memory: {message}", params))
+
+    def restore_stash(self) -> None:
+        stash, self._stash = self._stash, None
+        for p, g in stash or []:
+            p.grad = g if p.grad is None else p.grad + g
+
+    # -- per step --------------------------------------------------------------------------
