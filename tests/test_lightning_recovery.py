@@ -267,3 +267,60 @@ def test_rollback_restores_the_newest_healthy_modelcheckpoint_file(tmp_path):
     later = torch.load(str(ckpt_dir / "epoch=0-step=12.ckpt"), weights_only=False)
     tracked = later["callbacks"][cb.state_key]["checkpoints"]
     assert [(e["step"], e["tested"], e["bad"]) for e in tracked] == [(3, True, False), (6, True, False)]
+
+
+class _Planted:
+    """An object whose unpickling would create a folder: proof that a file was (or was not) unpickled."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def test_a_checkpoint_holding_pickled_objects_is_skipped_not_executed(tmp_path):
+    m = LitGPT(sched="step", spike_at={10, 11})
+    cb = GradGuardCallback(cfg(tmp_path, recovery={"snapshot_interval": 0, "confirm_steps": 2}))
+    ckpt_dir = tmp_path / "ckpts"
+    marker = tmp_path / "EXECUTED"
+    mc = L.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=3, save_top_k=-1)
+    target = ckpt_dir / "epoch=0-step=6.ckpt"
+
+    class Tamper(L.Callback):  # after step 6's file is written and trusted: plant an object in it
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 9 and not getattr(self, "done", False):
+                self.done = True
+                ckpt = torch.load(str(target), weights_only=True)  # the genuine file loads safely
+                ckpt["hyper_parameters"] = {"planted": _Planted(str(marker))}
+                torch.save(ckpt, str(target))
+
+    trainer = trainer_for(tmp_path, [cb, Tamper(), mc], steps=14, enable_checkpointing=True)
+    trainer.fit(m, torch.utils.data.DataLoader(Windows(256), batch_size=8))
+    assert not marker.exists()  # never unpickled
+    fb = [e for e in events(cb.core.log_path) if e["type"] == "snapshot_fallback"]
+    assert len(fb) == 1 and fb[0]["wanted"] == 6 and fb[0]["path"] == str(target)
+    assert "weights_only=True" in fb[0]["problems"][0] and str(target) in fb[0]["problems"][0]
+    rb = [e for e in events(cb.core.log_path) if e["type"] == "action" and e["name"] == "rollback"]
+    assert rb[0]["params"]["to_step"] == 3 and rb[0]["params"]["source"] == "checkpoint"  # the next older file
+    assert not marker.exists()
+    with pytest.raises(Exception):  # the planted file really would not load safely
+        torch.load(str(target), weights_only=True)
+
+
+def test_no_logger_writes_no_package_shadowing_folder_in_the_working_directory(tmp_path, monkeypatch):
+    """logger=False and no default_root_dir: Lightning's root is the working directory. A
+    ./gradguard folder there would shadow the package; the log goes to ./gradguard_runs/."""
+    monkeypatch.chdir(tmp_path)
+    cb = GradGuardCallback(cfg(tmp_path))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[cb], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(LitGPT(), torch.utils.data.DataLoader(Windows(64), batch_size=8))
+    assert not (tmp_path / "gradguard").exists()
+    assert cb.core.log_path == os.path.join(str(tmp_path), "gradguard_runs", "events.jsonl")
+    assert os.path.isfile(cb.core.log_path)
+    probe = __import__("subprocess").run(
+        [__import__("sys").executable, "-c", "import gradguard; print(gradguard.GuardConfig.__name__)"],
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert probe.returncode == 0 and probe.stdout.strip() == "GuardConfig", probe.stderr[-500:]
