@@ -275,6 +275,8 @@ class GuardCore:
         if decision.halt:
             report.halt = True
             report.applied = False
+            if drop_on_skip and not decision.skip:
+                drop_grads(self.layers.params)  # the halting step is never applied, in any engine
             report.diagnosis = self.diagnosis(report, next((a.reason for a in decision.actions
                                                             if a.name == "halt"), "policy halt"))
             self._emit({"type": "halt", "step": step, "message": report.diagnosis["reason"],

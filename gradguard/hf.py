@@ -273,8 +273,6 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self.runner.load_state_dict(saved)
         if self._batches is not None:
             self._batches.load_state_dict(saved)
-        if self.core.snapshots is not None:  # the resumed weights are the rollback target until the next one
-            self.core.take_snapshot(self.core.step_count)
         self.core.emit({"type": "resume", "step": state.global_step, "restored": True,
                          "guard_step": self.core.step_count})
 

@@ -343,7 +343,6 @@ class _GradGuardMixin:
             self._report = self.last_report = report
             self.reports += 1
             if report.halt:
-                drop_grads(core.layers.params)
                 self._halt.trip(report.diagnosis)
                 trainer.should_stop = True
             skip = report.skipped
