@@ -9,13 +9,14 @@ and :meth:`GuardCore.after_step` once the optimizer has (or has not) stepped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -480,6 +481,42 @@ class GuardCore:
         True when it did."""
         keep = self.scale_to_keep(report)
         return keep is not None and set_scaler_scale(scaler, keep)
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The clip threshold the guard applies now (None when it does not clip)."""
+        if not self.config.policy.act or self.config.clip.mode == "off":
+            return None
+        return float(self.clip.max_norm)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters the guard watches (in layer-map order)."""
+        return list(self.layers.params)
+
+    def drop_grads(self) -> None:
+        """Set every watched parameter's grad to None (the engine's optimizer step becomes a no-op)."""
+        drop_grads(self.layers.params)
+
+    @contextlib.contextmanager
+    def deciding_inside_step(self, active: bool = True) -> Iterator[None]:
+        """For engines that call the pre-step hook from inside ``optimizer.step()`` (Lightning's
+        closure without a GradScaler): the LR multiplier's pre-hook already ran with the multiplier
+        of before this step's decision; it is undone for the decision and applied again after it."""
+        if not active:
+            yield
+            return
+        self.lr.suspend()
+        try:
+            yield
+        finally:
+            self.lr.rearm()
+
+    def detach(self) -> dict[str, Any]:
+        """Remove the guard's optimizer hooks and close its sinks (end of an engine run)."""
+        summary = self.close()
+        self.lr.remove()
+        return summary
 
     def record(self, action: Action) -> Action:
         """Count and log an action an adapter took by itself (e.g. an out-of-memory retry)."""

@@ -152,9 +152,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         """The max_grad_norm in force (the guard's, or the Trainer's own when the guard does not clip)."""
         if self.core is None:
             return None
-        if self.core.config.policy.act and self.core.config.clip.mode != "off":
-            return self.core.clip.max_norm
-        return self._replay_clip
+        guard = self.core.max_grad_norm
+        return guard if guard is not None else self._replay_clip
 
     def _move_ahead_of_reporters(self) -> None:
         """User callbacks run after the reporting integrations; metrics added to ``logs`` in
@@ -396,8 +395,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             self._hook = None
         self._held.release()
         if self.core is not None:
-            self.summary = self.core.close()
-            self.core.lr.remove()
+            self.summary = self.core.detach()
 
     # -- state -----------------------------------------------------------------------------
     def _export(self) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from ._compat import check_features, scaler_scale
 from ._lightning.checkpoints import ModelCheckpointFiles
 from ._lightning.loader import TrainerLoader
 from ._lightning.steps import StepWrappers
-from .act import drop_grads, unwrap_optimizer
+from .act import unwrap_optimizer
 from .adapter import HaltLatch, SchedulerHold, check_ladder, halt_raises, may_wrap, refuse_unsupported, resolve_clip
 from .config import GuardConfig
 from .errors import GradGuardHalt, warn
@@ -252,7 +252,7 @@ class _GradGuardMixin:
 
     def _setup_clip(self, trainer: Any) -> None:
         if self._manage_clip and self.core is not None:
-            trainer.gradient_clip_val = self.core.clip.max_norm
+            trainer.gradient_clip_val = self.core.max_grad_norm
             trainer.gradient_clip_algorithm = "norm"
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
@@ -286,8 +286,7 @@ class _GradGuardMixin:
         self._hook_handles = []
         self.steps.remove()
         if self.core is not None:
-            self.core.lr.remove()
-            self.core.close()
+            self.core.detach()
         self.core = None
 
     # -- per step --------------------------------------------------------------------------
@@ -321,39 +320,32 @@ class _GradGuardMixin:
         if core is None or unwrap_optimizer(optimizer) is not core.optimizer:
             return
         self.steps.restore_stash()
-        lrm = core.lr
-        rearm = self._in_opt_step
-        if rearm:
-            # Without a GradScaler, Lightning calls the closure (and so this hook) inside
-            # optimizer.step(): the core's LR pre-hook already multiplied the LRs with the
-            # multiplier of *before* this step's decision. Undo it, decide, then apply it again.
-            lrm.suspend()
         self._stepped = True
-        if self._window_step or self._poisoned:
-            # a step of the data window skipped after a rollback, or one an out-of-memory error broke
-            core.discard_loss()
-            drop_grads(core.layers.params)
-            if self._window_step:
-                self.data_skipped_steps += 1
-            core.discard_step()  # the guard's step count follows Lightning's global_step
-            skip = True
-            self._report = None
-        else:
-            report = core.before_step(scaler=self.scaler, drop_on_skip=True)
-            self._report = self.last_report = report
-            self.reports += 1
-            if report.halt:
-                self._halt.trip(report.diagnosis)
-                trainer.should_stop = True
-            skip = report.skipped
-        if skip and pl_module.automatic_optimization:
-            self._held = SchedulerHold([c.scheduler for c in trainer.lr_scheduler_configs
-                                        if c.interval == "step" and not c.reduce_on_plateau])
-            self._held.hold()  # Lightning steps the schedulers after every optimizer step, skipped or not
-        if self._manage_clip:
-            trainer.gradient_clip_val = None  # clipped by the core already: no second pass
-        if rearm:
-            lrm.rearm()
+        # without a GradScaler Lightning calls the closure (and so this hook) inside optimizer.step()
+        with core.deciding_inside_step(self._in_opt_step):
+            if self._window_step or self._poisoned:
+                # a step of the data window skipped after a rollback, or one an out-of-memory error broke
+                core.discard_loss()
+                core.drop_grads()
+                if self._window_step:
+                    self.data_skipped_steps += 1
+                core.discard_step()  # the guard's step count follows Lightning's global_step
+                skip = True
+                self._report = None
+            else:
+                report = core.before_step(scaler=self.scaler, drop_on_skip=True)
+                self._report = self.last_report = report
+                self.reports += 1
+                if report.halt:
+                    self._halt.trip(report.diagnosis)
+                    trainer.should_stop = True
+                skip = report.skipped
+            if skip and pl_module.automatic_optimization:
+                self._held = SchedulerHold([c.scheduler for c in trainer.lr_scheduler_configs
+                                            if c.interval == "step" and not c.reduce_on_plateau])
+                self._held.hold()  # Lightning steps the schedulers after every optimizer step, skipped or not
+            if self._manage_clip:
+                trainer.gradient_clip_val = None  # clipped by the core already: no second pass
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.steps._current = None
