@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import os
 from typing import Any
@@ -47,15 +46,16 @@ from typing import Any
 import torch
 
 from ._compat import check_features, find_caller, hf_callback_list
-from ._hf.checkpoints import STATE_FILE, TrainerCheckpoints
+from ._hf.checkpoints import STATE_FILE, TrainerCheckpoints, find_resume_state, write_state_file
 from ._hf.loader import TrainerLoader
+from ._hf.setup import log_entries, unsupported
 from ._hf.steps import StepRunner
 from .act import drop_grads, unwrap_optimizer
 from .adapter import HaltLatch, SchedulerHold, check_ladder, halt_raises, may_wrap, refuse_unsupported, resolve_clip
 from .config import GuardConfig
 from .guard import GuardCore, StepReport
 from .policy import Action
-from .sinks import M, Sink, _clean
+from .sinks import M, Sink
 
 try:
     from transformers import TrainerCallback
@@ -68,34 +68,7 @@ __all__ = ["GradGuardCallback", "STATE_FILE", "NONFINITE_LOSS_STEPS"]
 #: Steps with a non-finite loss in the logging window (added to the Trainer's logs).
 NONFINITE_LOSS_STEPS = M.NONFINITE_LOSS_STEPS
 
-_UNSKIPPABLE_OPTIMS = ("lomo", "adalomo")  # update inside backward: no optimizer step to skip
 _HF_DEFAULT_MAX_GRAD_NORM = 1.0
-
-
-def _unsupported(args: Any, optimizer: Any) -> dict[str, str]:
-    """What in this Trainer setup gradguard cannot guard (see ``gradguard.adapter.refuse_unsupported``)."""
-    out: dict[str, str] = {}
-    if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None) is not None:
-        ds = args.deepspeed
-        clip = ds.get("gradient_clipping") if isinstance(ds, dict) else None
-        out[f"TrainingArguments.deepspeed={ds!r}"] = (
-            f"DeepSpeed steps the optimizer and clips inside its engine (gradient_clipping={clip!r}), so gradguard "
-            "can neither measure the pre-clip gradients nor skip a step safely. Fix: train without DeepSpeed when "
-            "using GradGuardCallback, or remove the callback")
-    if getattr(args, "fsdp", None) and args.fsdp not in ("", [], None):
-        out[f"TrainingArguments.fsdp={args.fsdp!r}"] = (
-            "FSDP shards the gradients, so per-layer norms measured on one rank are partial. Fix: train with DDP "
-            "or a single device when using GradGuardCallback")
-    optim_name = str(getattr(args, "optim", "")).lower()
-    if any(optim_name.endswith(n) or optim_name == n for n in _UNSKIPPABLE_OPTIMS):
-        out[f"TrainingArguments.optim={args.optim!r}"] = (
-            "this optimizer updates the weights during backward, so a poisoned step cannot be skipped. Fix: use an "
-            "optimizer with a step() (e.g. optim='adamw_torch')")
-    if optimizer is None or not hasattr(optimizer, "param_groups"):
-        out[f"optimizer={type(optimizer).__name__}"] = (
-            "gradguard needs a torch optimizer with param_groups (to skip a step, apply LR multipliers and change "
-            "Adam's betas). Fix: use a torch.optim optimizer")
-    return out
 
 
 class GradGuardCallback(TrainerCallback, ExportableState):
@@ -172,7 +145,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
 
     def _validate(self, args: Any, optimizer: Any) -> bool:
         check_ladder(self.config)
-        ok = refuse_unsupported(self.config, _unsupported(args, optimizer))
+        ok = refuse_unsupported(self.config, unsupported(args, optimizer))
         if ok:
             resolve_clip(self.config, args.max_grad_norm, engine_default=_HF_DEFAULT_MAX_GRAD_NORM,
                          setting="TrainingArguments.max_grad_norm")
@@ -250,18 +223,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
 
     def _restore(self, args: Any, state: Any) -> None:
         assert self.core is not None and self.runner is not None
-        saved = self._resume_state
-        if saved is None:
-            entry = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
-            if isinstance(entry, list):
-                entry = entry[0] if entry else None
-            if isinstance(entry, dict):
-                saved = entry.get("attributes", {}).get("_resume_state")
-        if saved is None:
-            path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", STATE_FILE)
-            if os.path.isfile(path):
-                with open(path, encoding="utf-8") as fh:
-                    saved = json.load(fh)
+        saved = find_resume_state(self._resume_state, args, state, type(self).__name__)
         self._resume_state = None
         if not saved or not saved.get("guard"):
             self.core.emit({"type": "resume", "step": state.global_step, "restored": False})
@@ -350,30 +312,17 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             return
         ckpt = os.path.join(args.output_dir, f"checkpoint-{step}")
         if os.path.isdir(ckpt):
-            tmp = os.path.join(ckpt, STATE_FILE + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(self._export(), fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, os.path.join(ckpt, STATE_FILE))  # never a half-written state file
+            write_state_file(ckpt, self._export())
             if self.diagnosis is not None:
-                core.write_diagnosis(_clean(self.diagnosis), ckpt)
+                core.write_diagnosis(self.diagnosis, ckpt)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if self.core is None or logs is None or self.core.last_report is None:
             return
         if "loss" not in logs and "grad_norm" not in logs:
             return  # evaluation and end-of-training summaries
-        m = self.core.metrics(self.core.last_report)
-        if not self.layer_metrics:
-            m = {k: v for k, v in m.items() if k.count("/") < 2 or k.startswith("gradguard/lr/")
-                 or k.startswith("gradguard/action/") or k.endswith("/total")}
         window, self._window_losses = self._window_losses, []
-        if window:
-            m["gradguard/loss"] = sum(window) / len(window)  # nan/inf stay visible
-            m[NONFINITE_LOSS_STEPS] = float(sum(not math.isfinite(v) for v in window))
-        else:
-            m.pop("gradguard/loss", None)  # no step of this logging window was computed (a skipped data window)
+        m = log_entries(self.core.metrics(self.core.last_report), window, self.layer_metrics, NONFINITE_LOSS_STEPS)
         logs.update(m)
         hist = getattr(state, "log_history", None)
         if hist and hist[-1].get("step") == state.global_step and "loss" in hist[-1]:

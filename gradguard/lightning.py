@@ -44,6 +44,7 @@ import torch
 from ._compat import check_features, scaler_scale
 from ._lightning.checkpoints import ModelCheckpointFiles
 from ._lightning.loader import TrainerLoader
+from ._lightning.setup import LightningLoggerSink, unsupported
 from ._lightning.steps import StepWrappers
 from .act import unwrap_optimizer
 from .adapter import HaltLatch, SchedulerHold, check_ladder, halt_raises, may_wrap, refuse_unsupported, resolve_clip
@@ -56,32 +57,6 @@ from .sinks import Sink
 __all__ = ["GradGuardCallback", "make_callback_class", "LightningLoggerSink", "GradGuardHalt"]
 
 ADAPTER_STATE_VERSION = 1
-_REFUSED_STRATEGIES = {"DeepSpeed": "DeepSpeed steps the optimizer and clips inside its engine, so gradguard can "
-                                    "neither measure the pre-clip gradients nor skip a step safely",
-                       "FSDP": "FSDP shards the gradients, so per-layer norms measured on one rank are partial"}
-
-
-class LightningLoggerSink(Sink):
-    """Forwards the core's metrics to every logger of the trainer (CSV, TensorBoard, W&B...)."""
-
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        for lg in self.trainer.loggers:
-            lg.log_metrics(dict(metrics), step=self.trainer.global_step)
-
-
-def _unsupported(trainer: Any) -> dict[str, str]:
-    out: dict[str, str] = {}
-    strategy = type(trainer.strategy).__name__
-    for key, why in _REFUSED_STRATEGIES.items():
-        if key.lower() in strategy.lower():
-            out[f"Trainer(strategy={strategy})"] = f"{why}. Fix: train with DDP or a single device when using " \
-                                                   "GradGuardCallback, or remove the callback"
-    if not trainer.optimizers:
-        out["configure_optimizers"] = "the trainer has no optimizer. Fix: return one from configure_optimizers"
-    return out
 
 
 class _GradGuardMixin:
@@ -191,7 +166,7 @@ class _GradGuardMixin:
         log_dir = trainer.log_dir  # a collective under DDP: called on every rank
         self._trainer = trainer
         check_ladder(self.config)
-        if not refuse_unsupported(self.config, _unsupported(trainer)):
+        if not refuse_unsupported(self.config, unsupported(trainer)):
             return  # monitor mode on an unsupported setup: stand aside
         opt = unwrap_optimizer(trainer.optimizers[0])
         if len(trainer.optimizers) > 1:

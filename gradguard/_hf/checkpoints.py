@@ -10,7 +10,7 @@ import torch
 
 from ..recovery import check_weights, restore_training_state, safe_load
 
-__all__ = ["TrainerCheckpoints", "STATE_FILE", "read_weights"]
+__all__ = ["TrainerCheckpoints", "STATE_FILE", "read_weights", "find_resume_state", "write_state_file"]
 
 #: Name of the guard's state file inside each ``checkpoint-*`` folder.
 STATE_FILE = "gradguard_state.json"
@@ -79,3 +79,35 @@ class TrainerCheckpoints:
     def restore(self, payload: dict[str, Any]) -> None:
         restore_training_state(self.model, self.optimizer, payload, restore_schedule=self.restore_schedule,
                                scheduler=self.scheduler, scaler=self.scaler)
+
+
+def write_state_file(folder: str, state: dict[str, Any]) -> str:
+    """Write the guard's state into a checkpoint folder atomically (never a half-written file)."""
+    final = os.path.join(folder, STATE_FILE)
+    tmp = final + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    return final
+
+
+def find_resume_state(restored: dict[str, Any] | None, args: Any, state: Any, name: str) -> dict[str, Any] | None:
+    """The guard state of a resumed run: the one the Trainer restored into the callback
+    (``ExportableState``), else the ``stateful_callbacks`` entry of ``trainer_state.json``, else the
+    ``gradguard_state.json`` of the checkpoint resumed from."""
+    if restored is not None:
+        return restored
+    entry = (getattr(state, "stateful_callbacks", None) or {}).get(name)
+    if isinstance(entry, list):
+        entry = entry[0] if entry else None
+    if isinstance(entry, dict):
+        saved = entry.get("attributes", {}).get("_resume_state")
+        if saved is not None:
+            return saved
+    path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", STATE_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    return None
