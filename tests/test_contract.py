@@ -157,7 +157,7 @@ class _LRProbe:
 
 # -- runners: one per engine ---------------------------------------------------------------------------
 def run_plain(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, resume_from=None,
-              save_at=None) -> Record:
+              save_at=None, engine_clip=None) -> Record:
     rec = Record()
     model = Net()
     model.faults = dict(faults or {})
@@ -210,7 +210,7 @@ def run_plain(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True
 
 
 def run_hf(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, resume_from=None,
-           save_at=None) -> Record:
+           save_at=None, engine_clip=None) -> Record:
     transformers = pytest.importorskip("transformers")
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -241,7 +241,8 @@ def run_hf(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, r
     save = dict(save_strategy="steps", save_steps=save_at) if save_at else dict(save_strategy="no")
     args = TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], max_steps=steps,
                              per_device_train_batch_size=BS, logging_steps=1, disable_tqdm=True, seed=0,
-                             data_seed=0, dataloader_num_workers=0, max_grad_norm=1.0, **save)
+                             data_seed=0, dataloader_num_workers=0, max_grad_norm=1.0 if engine_clip is None else engine_clip,
+                             **save)
     trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, sched),
                       callbacks=[c for c in (cb, Probe()) if c is not None])
     model.step_fn = lambda: trainer.state.global_step + 1
@@ -259,7 +260,7 @@ def run_hf(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, r
 
 
 def run_lightning(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, resume_from=None,
-                  save_at=None) -> Record:
+                  save_at=None, engine_clip=None) -> Record:
     L = pytest.importorskip("lightning.pytorch")
     from gradguard.lightning import GradGuardCallback
 
@@ -301,7 +302,7 @@ def run_lightning(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=
                                                      save_top_k=-1))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(save_at),
-                        default_root_dir=str(tmp_path / "pl"), num_sanity_val_steps=0)
+                        default_root_dir=str(tmp_path / "pl"), num_sanity_val_steps=0, gradient_clip_val=engine_clip)
     model.step_fn = lambda: trainer.global_step + 1
     probe = _LRProbe(rec, lambda: trainer.global_step + 1)
     rec.model = model
@@ -442,3 +443,73 @@ def test_trust_rule_is_the_same_in_every_engine(tmp_path, engine):
     assert tier[2]["tested"] and tier[2]["healthy"] == 3  # steps 3, 4, 5 confirmed it
     assert 4 in tier and not tier[4]["tested"] and tier[4]["healthy"] == 2  # only steps 5 and 6 so far
     assert all(not math.isnan(e["step"]) for e in tier.values())
+
+
+@pytest.mark.parametrize("engine", ["hf", "lightning"])
+def test_clip_conflict_is_resolved_the_same_way_in_every_engine(tmp_path, engine):
+    """The engine's clip setting becomes the guard's starting clip.max_norm; set both differently: error."""
+    adopted = RUNNERS[engine](tmp_path / "a", cfg(tmp_path / "a"), steps=2, engine_clip=0.3)
+    assert adopted.core.clip.max_norm == 0.3 and adopted.core.max_grad_norm == 0.3
+    with pytest.raises(gg.ConfigError, match=r"0\.3.*conflicts with GuardConfig.clip.max_norm=0\.5.*Fix:"):
+        RUNNERS[engine](tmp_path / "b", cfg(tmp_path / "b", clip={"max_norm": 0.5}), steps=2, engine_clip=0.3)
+    # the guard does not clip (monitor): the engine's own clipping is left in force, as without a guard
+    mon = RUNNERS[engine](tmp_path / "c", cfg(tmp_path / "c", "monitor"), steps=3, engine_clip=0.3, faults={2: 5.0})
+    ref = RUNNERS[engine](tmp_path / "d", None, steps=3, engine_clip=0.3, guard=False, faults={2: 5.0})
+    assert mon.core.max_grad_norm is None and torch.equal(mon.weights[3], ref.weights[3])
+
+
+def test_refusal_is_an_error_when_acting_and_a_stand_aside_warning_in_monitor_mode(tmp_path):
+    """An unsupported setup (here: a LightningModule without an optimizer) is refused at attach time."""
+    L = pytest.importorskip("lightning.pytorch")
+    from gradguard.lightning import GradGuardCallback
+
+    class NoOpt(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            _build(self)
+
+        def training_step(self, batch, batch_idx):
+            return _loss(self, batch["input_ids"], batch["labels"])
+
+        def configure_optimizers(self):
+            return None
+
+    def fit(cb):
+        trainer = L.Trainer(accelerator="cpu", max_steps=2, callbacks=[cb], logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+        trainer.fit(NoOpt(), torch.utils.data.DataLoader(Data(16), batch_size=BS))
+        return trainer
+
+    with pytest.raises(gg.UnsupportedSetupError, match="configure_optimizers.*Fix:"):
+        fit(GradGuardCallback(cfg(tmp_path)))
+    cb = GradGuardCallback(cfg(tmp_path, "monitor"))
+    with pytest.warns(gg.GradGuardWarning, match="stands aside"):
+        trainer = fit(cb)
+    assert cb.core is None and trainer.global_step == 2  # the run Lightning accepts is not stopped
+
+
+def test_stateful_pieces_round_trip_their_state(tmp_path):
+    from gradguard._hf.steps import StepRunner
+    from gradguard.recovery import CheckpointTier
+
+    tier = CheckpointTier(2)
+    tier.saved(3, ["a.ckpt"])
+    tier.saved(6, ["b.ckpt"])
+    tier.observe(4, healthy=True, bad=False)
+    tier.observe(5, healthy=True, bad=False)
+    tier.observe(7, healthy=False, bad=True)
+    again = CheckpointTier(2)
+    again.load_state_dict(json.loads(json.dumps(tier.state_dict())))
+    assert again.state_dict() == tier.state_dict() and [e["step"] for e in again.candidates()] == [3]
+    runner = StepRunner(core=None, args=None, params=[])
+    runner.discard_left, runner.splits, runner.last_step_loss = 2, 4, 1.5
+    other = StepRunner(core=None, args=None, params=[])
+    other.load_state_dict(json.loads(json.dumps(runner.state_dict())))
+    assert other.state_dict() == runner.state_dict()
+    rec = run_plain(tmp_path, cfg(tmp_path, recovery={"snapshot_interval": 2, "confirm_steps": 1}), steps=6,
+                    faults={3: 50.0, 4: 50.0})
+    state = json.loads(json.dumps(rec.core.state_dict()))
+    net = Net()
+    fresh = gg.Guard(net, torch.optim.AdamW(net.parameters()), config=cfg(tmp_path / "x"))
+    fresh.load_state_dict(state)
+    assert normalised(fresh.state_dict()) == normalised(state)

@@ -31,6 +31,10 @@ def unsupported(trainer: Any) -> dict[str, str]:
         if key.lower() in strategy.lower():
             out[f"Trainer(strategy={strategy})"] = f"{why}. Fix: train with DDP or a single device when using " \
                                                    "GradGuardCallback, or remove the callback"
-    if not trainer.optimizers:
-        out["configure_optimizers"] = "the trainer has no optimizer. Fix: return one from configure_optimizers"
+    module = trainer.lightning_module
+    trained = {id(p) for p in module.parameters() if p.requires_grad}
+    in_opt = {id(p) for opt in trainer.optimizers for g in getattr(opt, "param_groups", []) for p in g["params"]}
+    if not trainer.optimizers or not trained & in_opt:
+        out["configure_optimizers"] = ("the trainer has no optimizer over the module's parameters (Lightning trains "
+                                       "with a mock optimizer). Fix: return one from configure_optimizers")
     return out
