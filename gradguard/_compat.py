@@ -5,8 +5,9 @@ Each function is named for what it does and feature-detects what it touches. Ada
 disables the action that depends on it, with one warning naming the version and the action; nothing
 here raises mid-run.
 
-Supported versions (tested: CI runs the latest releases; ``tests/test_contract.py`` is the suite
-to run against older ones): torch >= 2.3, transformers >= 4.46, lightning >= 2.4.
+Supported versions, each end tested (CI runs the latest releases; the README's Development section
+has the command that runs the contract suite against the oldest): torch >= 2.13 (the only version
+testable here), transformers >= 4.57, lightning >= 2.4.
 """
 
 from __future__ import annotations
