@@ -116,7 +116,7 @@ class SchedulerHold:
 
     def _release_one(self, sched: Any) -> None:
         for entry in [e for e in self._held if e[0] is sched]:
-            unshadow_method(*entry[:1], "step", entry[1], entry[2])
+            unshadow_method(entry[0], "step", entry[1], entry[2])
             self._held.remove(entry)
 
     def release(self) -> None:

@@ -93,7 +93,10 @@ def event_log_path(out_dir: str | None) -> str:
 
 
 class GuardCore:
-    """The engine-agnostic guard. Adapters translate their engine's hooks into these calls."""
+    """The engine-agnostic guard and the engine API: adapters map their engine's hooks onto
+    :class:`gradguard.contract.Event` and call these methods (see the README, "Adding an engine").
+    ``collective`` (default: :func:`gradguard.contract.collective`) combines the step's measurement
+    over processes and votes on checkpoint restores; ``reduce`` overrides only the former."""
 
     def __init__(self, model: nn.Module, optimizer: Any, *, config: GuardConfig | None = None,
                  sinks: list[Sink] | None = None, out_dir: str | None = None,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -189,6 +188,3 @@ def rollback_from_checkpoints(tier: CheckpointTier, source: CheckpointSource, co
         return {"to_step": int(entry["step"]), "path": path, "source": "checkpoint"}
     return None
 
-
-def file_exists(path: str) -> bool:
-    return bool(path) and os.path.exists(path)
