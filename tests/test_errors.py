@@ -62,3 +62,23 @@ def test_warnings_come_from_rank_zero_only(monkeypatch):
         errors.warn_once("k-test", "gradguard: once")
     assert [str(w.message) for w in seen] == ["gradguard: from rank 0", "gradguard: once"]
     assert all(issubclass(w.category, gg.GradGuardWarning) for w in seen)
+
+
+def test_a_missing_private_attribute_disables_its_action_with_one_warning_naming_versions():
+    import types
+
+    from gradguard import _compat
+
+    trainer = types.SimpleNamespace(fit_loop=types.SimpleNamespace(max_batches=10),  # no _combined_loader
+                                    checkpoint_callbacks=[types.SimpleNamespace()])  # no _last_global_step_saved
+    errors._WARNED.discard("compat:lightning:batch_resize")
+    errors._WARNED.discard("compat:lightning:checkpoint_rollback")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        first = _compat.check_features("lightning", trainer)
+        second = _compat.check_features("lightning", trainer)
+    assert set(first) == set(second) == {"batch_resize", "checkpoint_rollback"}
+    texts = [str(w.message) for w in seen]
+    assert len(texts) == 2  # once per action and process, not per call
+    assert all("torch " + torch.__version__ in t and "is disabled" in t for t in texts)
+    assert any("'batch_resize'" in t for t in texts) and any("'checkpoint_rollback'" in t for t in texts)
