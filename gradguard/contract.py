@@ -6,8 +6,8 @@ gradguard's behaviour lives in :class:`gradguard.guard.GuardCore` and the core m
 ``gradguard.lightning.GradGuardCallback``) only
 
 1. maps its engine's hooks onto the :class:`Event` vocabulary below (calling the core at each), and
-2. implements the protocols of this module for its engine: a :class:`LoaderHandle` (batch size,
-   skipping upcoming samples), a :class:`CheckpointSource` (the engine's own checkpoints, for the
+2. implements the protocols of this module for its engine: a :class:`LoaderHandle` (batch size),
+   a :data:`DataSkip` (skipping upcoming samples), a :class:`CheckpointSource` (the engine's own checkpoints, for the
    rollback disk tier) and a :class:`Collective` (the cross-process reduction and vote; the core's
    :class:`TorchCollective` serves every torch.distributed engine).
 
@@ -18,12 +18,12 @@ A new engine (Accelerate, Fabric, a torchtitan-style loop) is guarded by writing
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Event", "LoaderHandle", "CheckpointEntry", "CheckpointSource", "Collective", "TorchCollective",
+__all__ = ["Event", "LoaderHandle", "DataSkip", "CheckpointEntry", "CheckpointSource", "Collective", "TorchCollective",
            "LocalCollective", "collective"]
 
 
@@ -107,6 +107,12 @@ class LoaderHandle(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ...
+
+
+#: "Skip upcoming samples" (``GuardCore.attach_data_skip``): called with the ``skip_data`` action
+#: after a rollback; makes the data of the next ``action.params["batches"]`` optimizer steps not
+#: computed (or its gradients dropped) and returns a dict saying how.
+DataSkip = Callable[[Any], dict[str, Any]]
 
 
 class CheckpointEntry(Protocol):

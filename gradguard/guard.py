@@ -128,6 +128,7 @@ class GuardCore:
         self.rollback_sources: list[Callable[[Action], dict[str, Any] | None]] = []
         self.checkpoint_tier = CheckpointTier(config.recovery.confirm_steps)  # the engine's checkpoints
         self.checkpoint_source: CheckpointSource | None = None
+        self.data_skip: Callable[[Action], dict[str, Any]] | None = None  # see attach_data_skip
         self.scheduler = scheduler
         self.scaler_ref = scaler
         self.diagnosis_path: str | None = None
@@ -357,6 +358,12 @@ class GuardCore:
         if self.config.policy.act:
             self.register_actuator("rollback", self._rollback)
 
+    def attach_data_skip(self, fn: Callable[[Action], dict[str, Any]]) -> None:
+        """The engine's "skip upcoming samples" (contract): after a rollback, ``fn(action)`` makes the
+        data of the next ``action.params["batches"]`` optimizer steps not computed (or its gradients
+        dropped) and returns how; the core counts and logs it as ``skip_data``."""
+        self.data_skip = fn
+
     def attach_checkpoints(self, source: CheckpointSource) -> None:
         """Use the engine's own checkpoints as the rollback disk tier (after the in-memory ring). The
         adapter reports each save with :meth:`checkpoint_saved`; the core applies the trust rule
@@ -426,9 +433,10 @@ class GuardCore:
         self.lr.rewarm()
         self.detectors.takeover.reset()  # the restored weights get a fresh window
         n_skip = self.config.recovery.skip_batches
-        if n_skip and "skip_data" in self.actuators:
+        skipper = self.data_skip or self.actuators.get("skip_data")
+        if n_skip and skipper is not None:
             skip = Action("skip_data", a.step, f"after rollback to step {out['to_step']}", {"batches": n_skip})
-            skip.params.update(self.actuators["skip_data"](skip) or {})
+            skip.params.update(skipper(skip) or {})
             self._record(skip)
             self._extra_actions.append(skip)
             out["skipped_batches"] = n_skip
@@ -699,7 +707,7 @@ class Guard(GuardCore):
         self.batches = batches
         self.halted: dict[str, Any] | None = None
         if batches is not None:
-            self.register_actuator("skip_data", self._skip_data)
+            self.attach_data_skip(self._skip_data)
             self.attach_batches(batches)
             # after a rollback the data position keeps moving forward: the controller is not rewound
 

@@ -204,7 +204,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self._scaler = scaler
         self._args = args
         self.runner = runner = StepRunner(core, args, list(model.parameters()))
-        core.register_actuator("skip_data", self._skip_data)
+        core.attach_data_skip(self._skip_data)
         core.attach_checkpoints(TrainerCheckpoints(args.output_dir, model, opt, scaler=scaler, scheduler=lr_scheduler,
                                                    restore_schedule=cfg.recovery.restore_schedule))
         self._batches = TrainerLoader(train_dataloader, args.gradient_accumulation_steps, runner)

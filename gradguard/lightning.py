@@ -196,7 +196,7 @@ class _GradGuardMixin:
         sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         self.core = GuardCore(pl_module, opt, config=cfg, sinks=sinks, out_dir=out_dir, layer_fn=self.layer_fn,
                               scheduler=sched, scaler=self.scaler)
-        self.core.register_actuator("skip_data", self._skip_data)
+        self.core.attach_data_skip(self._skip_data)
         # after the core's LR-multiplier hooks: tells whether the core's pre-hook already ran when
         # on_before_optimizer_step fires (Lightning runs the closure inside optimizer.step()).
         self._hook_handles = [opt.register_step_pre_hook(self._pre_hook),
