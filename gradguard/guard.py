@@ -266,7 +266,7 @@ class GuardCore:
             recovered = self.lr.tick_healthy()
             if recovered:
                 report.actions.append(self._record(Action("recover_lr", step, "stable period", recovered)))
-            report.healthy = not decision.suspect
+            report.healthy = not (decision.suspect or self.detectors.takeover.suspect)
         if decision.skip:
             self.skipped_steps += 1
             if drop_on_skip:
