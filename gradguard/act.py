@@ -14,7 +14,15 @@ import torch
 from .config import AdamConfig, ClipConfig, LRConfig
 from .measure import LayerMap
 
-__all__ = ["unwrap_optimizer", "drop_grads", "ClipController", "LRMultiplier", "AdamTuner"]
+__all__ = ["AttachError", "unwrap_optimizer", "drop_grads", "ClipController", "LRMultiplier", "AdamTuner"]
+
+#: Attribute set on an optimizer while a guard's LR hooks are attached to it.
+_OWNER_ATTR = "_gradguard_lr_owner"
+
+
+class AttachError(ValueError):
+    """A guard cannot be attached as asked (e.g. a second guard on one optimizer). The message
+    names the object, what is wrong and the fix."""
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -163,15 +171,32 @@ class LRMultiplier:
         self._active = False
         self._saved_lrs: list[Any] | None = None
         self._saved_params: tuple[list[torch.Tensor], list[torch.Tensor], list[float]] | None = None
+        owner = getattr(optimizer, _OWNER_ATTR, None)
+        if owner is not None and owner is not self and owner.attached:
+            raise AttachError(
+                f"gradguard: optimizer={type(optimizer).__name__} (id {id(optimizer):#x}) already has a guard "
+                "attached; a second one would stack its LR multiplier on the first. "
+                "Fix: call close() on the first guard (or use it) before attaching a new one")
         self._handles = [
             optimizer.register_step_pre_hook(self._pre_hook),
             optimizer.register_step_post_hook(self._post_hook),
         ]
+        setattr(optimizer, _OWNER_ATTR, self)
+
+    @property
+    def attached(self) -> bool:
+        """True while the LR hooks are on the optimizer."""
+        return bool(self._handles)
 
     def remove(self) -> None:
+        """Take the hooks off the optimizer and put back any LR a step in progress changed, so the
+        optimizer is exactly as the user built it (idempotent)."""
+        self.suspend()
         for h in self._handles:
             h.remove()
         self._handles = []
+        if getattr(self.optimizer, _OWNER_ATTR, None) is self:
+            delattr(self.optimizer, _OWNER_ATTR)
 
     # -- hooks -----------------------------------------------------------------------------
     def current(self) -> float:

@@ -517,8 +517,9 @@ class GuardCore:
                 "log": self.log_path}
 
     def close(self) -> dict[str, Any]:
-        """Write the summary and close the sinks (idempotent)."""
+        """Write the summary, close the sinks and take the LR hooks off the optimizer (idempotent)."""
         summary = self.summary()
+        self.lr.remove()  # the optimizer runs at the user's LR again
         if not self._closed:
             self._closed = True
             for s in self.sinks:
