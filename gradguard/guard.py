@@ -26,7 +26,8 @@ from .detect import Detectors, Finding, Signals
 from .measure import GradMeasurer, LayerMap, metric_key
 from .policy import Action, Policy
 from .sinks import ConsoleSink, JSONLSink, M, Sink
-from .snapshot import SnapshotRing
+from .snapshot import SnapshotRing, SnapshotUnavailable
+from .state import model_signature
 
 __all__ = ["GradGuardHalt", "StepReport", "GuardCore", "Guard"]
 
@@ -104,13 +105,13 @@ class GuardCore:
         self.model = model
         self.reduce = reduce  # cross-rank combination of the step's packed measurements (DDP)
         self.optimizer = unwrap_optimizer(optimizer)
-        self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern)
+        self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern, optimizer=self.optimizer)
         self._check_optimizer_covers_model()
         self.measurer = GradMeasurer(self.layers)
         self.detectors = Detectors(config.detect)
         self.policy = Policy(config.policy)
         self.clip = ClipController(config.clip)
-        self.lr = LRMultiplier(config.lr, self.optimizer, self.layers)
+        self.lr = LRMultiplier(config.lr, self.optimizer, self.layers, hooks=config.policy.act)
         self.adam = AdamTuner(config.adam, self.optimizer)
         self.actuators: dict[str, Callable[[Action], dict[str, Any]]] = {}
         self.healthy_hooks: list[Callable[[int], Action | None]] = []
@@ -154,6 +155,11 @@ class GuardCore:
         if config.output.console:
             self.sinks.append(ConsoleSink())
         self._closed = False
+        for sink in self.sinks:  # the event log's I/O errors become events for the other sinks
+            if isinstance(sink, JSONLSink):
+                sink.on_error = self._emit
+        if self.snapshots is not None:
+            self.snapshots.on_event = self._emit  # I/O errors and invalidations become events
         self._emit({"type": "start", "step": 0, "layers": list(self.layers.layer_names),
                     "config": config.to_dict()})
 
@@ -336,6 +342,18 @@ class GuardCore:
 
     def _rollback(self, a: Action) -> dict[str, Any]:
         snap = self.snapshots.best() if self.snapshots is not None else None
+        problem = None
+        if snap is not None:
+            wanted = snap.step
+            try:  # all or nothing: files, model and optimizer layout are checked before any change
+                snap = self.snapshots.restore(snap, restore_schedule=self.config.recovery.restore_schedule,  # type: ignore[union-attr]
+                                              restore_rng=self.config.recovery.restore_rng)
+            except SnapshotUnavailable as exc:
+                problem = str(exc)
+                self._emit({"type": "snapshot_fallback", "step": a.step, "wanted": wanted, "restored": None,
+                            "problems": [*self.snapshots.problems, problem]})  # type: ignore[union-attr]
+                self.snapshots.problems.clear()  # type: ignore[union-attr]
+                snap = None
         if snap is None:
             out = None
             for source in self.rollback_sources:
@@ -343,15 +361,13 @@ class GuardCore:
                 if out:
                     break
             if not out:
-                return {"unavailable": "no healthy snapshot yet: step skipped instead"}
+                return {"unavailable": f"rollback unavailable ({problem}): step skipped instead" if problem
+                        else "no healthy snapshot yet: step skipped instead"}
             out.setdefault("confirmed", True)
             out["steps_lost"] = a.step - 1 - int(out["to_step"])
             if self.snapshots is not None:  # untested candidates hold weights from after the restored state
                 self.snapshots.drop_untested()
         else:
-            wanted = snap.step
-            snap = self.snapshots.restore(snap, restore_schedule=self.config.recovery.restore_schedule,  # type: ignore[union-attr]
-                                          restore_rng=self.config.recovery.restore_rng)
             if snap.step != wanted or self.snapshots.problems:  # type: ignore[union-attr]
                 self._emit({"type": "snapshot_fallback", "step": a.step, "wanted": wanted, "restored": snap.step,
                             "problems": list(self.snapshots.problems)})  # type: ignore[union-attr]
@@ -535,13 +551,17 @@ class GuardCore:
             "detectors": self.detectors.state_dict(), "policy": self.policy.state_dict(),
             "clip": self.clip.state_dict(), "lr": self.lr.state_dict(), "adam": self.adam.state_dict(),
             "snapshots": self.snapshots.state_dict() if self.snapshots is not None else None,
-            "grow_healthy": self._grow_healthy,
+            "grow_healthy": self._grow_healthy, "model_signature": model_signature(self.model),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"gradguard: state version {state.get('version')!r} is not {STATE_VERSION}. "
-                             "Fix: load a state saved by this gradguard version")
+        """Validate the whole state (version, model signature, every entry), then apply it; a
+        ``gradguard.state.StateError`` means nothing was changed."""
+        from .state import load_core_state
+
+        load_core_state(self, state, self._apply_state, STATE_VERSION)
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
         self.step_count = state["step_count"]
         self.applied_steps = state["applied_steps"]
         self.skipped_steps = state["skipped_steps"]
