@@ -597,6 +597,10 @@ class Guard(GuardCore):
                  scaler: Any = None, config: GuardConfig | None = None, sinks: list[Sink] | None = None,
                  out_dir: str | None = None, layer_fn: Callable[[str], str] | None = None,
                  batches: Any = None) -> None:
+        from .misuse import MisuseWatch, check_optimizer
+
+        check_optimizer(unwrap_optimizer(optimizer))  # closure optimizers (LBFGS) are refused
+        self._misuse = MisuseWatch()
         super().__init__(model, optimizer, config=config, sinks=sinks, out_dir=out_dir, layer_fn=layer_fn,
                          scheduler=scheduler, scaler=scaler)
         self.user_optimizer = optimizer
@@ -657,7 +661,9 @@ class Guard(GuardCore):
         opt = self.user_optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
+        self._misuse.before(self, loss)
         report = self.before_step(loss, scaler=self.scaler)
+        self._misuse.after(self, report)
         if report.applied:
             if self.scaler is not None:
                 self.scaler.step(opt)
