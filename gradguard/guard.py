@@ -536,6 +536,8 @@ class GuardCore:
         """Write the summary, close the sinks and take the LR hooks off the optimizer (idempotent)."""
         summary = self.summary()
         self.lr.remove()  # the optimizer runs at the user's LR again
+        if self.snapshots is not None:
+            self.snapshots.close()  # this run's snapshot files are of no use after it
         if not self._closed:
             self._closed = True
             for s in self.sinks:
@@ -686,6 +688,9 @@ class Guard(GuardCore):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.batches is not None and isinstance(state, dict) and hasattr(self.batches, "check_state") \
+                and "batches" in state:
+            self.batches.check_state(state["batches"])  # before anything is applied
         super().load_state_dict(state)
         if self.batches is not None and "batches" in state:
             self.batches.load_state_dict(state["batches"])

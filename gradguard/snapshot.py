@@ -12,6 +12,7 @@ import glob
 import hashlib
 import os
 import secrets
+import socket
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -48,6 +49,15 @@ def optimizer_structure(optimizer: torch.optim.Optimizer) -> list[int]:
     return [len(g["params"]) for g in optimizer.param_groups]
 
 
+def _host() -> str:
+    return socket.gethostname().replace(os.sep, "_") or "host"
+
+
+def _tmp_suffix() -> str:
+    """Temp-file suffix naming the writer (host and pid), so only dead writers' files are removed."""
+    return f"{_TMP_MARK}{_host()}-{os.getpid()}"
+
+
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return False  # no write of ours is in progress while we look
@@ -61,17 +71,18 @@ def _pid_alive(pid: int) -> bool:
 
 
 def clean_orphans(root: str) -> list[str]:
-    """Remove temp files left by snapshot writers that died mid-write (their pid is in the name
-    and no longer runs), in ``root`` and its run folders. Returns the removed paths; files it
+    """Remove temp files left by snapshot writers that died mid-write (their host and pid are in
+    the name; the pid no longer runs on this host), in ``root`` and its run folders. Returns the removed paths; files it
     cannot remove are left (and not reported)."""
     removed: list[str] = []
     if not os.path.isdir(root):
         return removed
     for path in glob.glob(os.path.join(root, "*" + _TMP_MARK + "*")) + glob.glob(
             os.path.join(root, "*", "*" + _TMP_MARK + "*")):
-        pid_text = path.rsplit(_TMP_MARK, 1)[1]
-        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
-            continue
+        writer = path.rsplit(_TMP_MARK, 1)[1]
+        host, _, pid_text = writer.rpartition("-")
+        if (host and host != _host()) or not pid_text.isdigit() or _pid_alive(int(pid_text)):
+            continue  # another machine's writer (cannot tell if it runs), or a live one
         try:
             os.remove(path)
             removed.append(path)
@@ -158,8 +169,8 @@ class DiskSnapshots:
         """Write one snapshot atomically. On an I/O error (read-only folder, disk full) the temp
         files are removed and the ``OSError`` propagates; no partial snapshot is left behind."""
         final = self.path(step)
-        tmp = final + f"{_TMP_MARK}{os.getpid()}"
-        digest_tmp = final + f".sha256{_TMP_MARK}{os.getpid()}"
+        tmp = final + _tmp_suffix()
+        digest_tmp = final + ".sha256" + _tmp_suffix()
         try:
             _io.check_write(final)
             with open(tmp, "wb") as fh:
@@ -547,6 +558,19 @@ class SnapshotRing:
         self.candidates = [s for s in self.candidates if s.step <= snap.step]
         self.restored += 1
         return snap
+
+    def close(self) -> None:
+        """Forget every snapshot and remove this run's snapshot folder (its files are of no use
+        once the run is over: they are not part of a checkpoint). Best effort, never raises."""
+        self.clear()
+        if self.disk is not None:
+            try:
+                for name in os.listdir(self.disk.directory):
+                    if name.startswith("snapshot-"):
+                        os.remove(os.path.join(self.disk.directory, name))
+                os.rmdir(self.disk.directory)
+            except OSError:
+                pass
 
     def stats(self) -> dict[str, Any]:
         return {"taken": self.taken, "restored": self.restored, "bytes": self.last_nbytes,

@@ -5,6 +5,7 @@ applied, I/O faults degrade instead of killing the run, late-trainable parameter
 
 import copy
 import os
+import socket
 
 import pytest
 import torch
@@ -123,19 +124,29 @@ def test_orphan_temp_files_of_dead_writers_are_removed_at_start(tmp_path):
     dead = int(proc.stdout)
     run = tmp_path / "snaps" / "run-old"
     run.mkdir(parents=True)
-    orphan = run / f"snapshot-000000003.pt.tmp-{dead}"
+    host = socket.gethostname()
+    orphan = run / f"snapshot-000000003.pt.tmp-{host}-{dead}"
     orphan.write_bytes(b"half a snapshot")
-    live = run / f"snapshot-000000004.pt.tmp-{os.getppid()}"  # a writer that still runs
+    legacy = run / f"snapshot-000000003.pt.sha256.tmp-{dead}"  # older name: pid only
+    legacy.write_bytes(b"abc")
+    live = run / f"snapshot-000000004.pt.tmp-{host}-{os.getppid()}"  # a writer that still runs
     live.write_bytes(b"being written")
+    elsewhere = run / f"snapshot-000000004.pt.tmp-other-machine-{dead}"  # cannot tell: kept
+    elsewhere.write_bytes(b"being written elsewhere")
     kept = run / "snapshot-000000002.pt"
     kept.write_bytes(b"complete")
     sink = gg.MemorySink()
     model = TinyNet()
     guard = _disk_guard(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), sink=sink)
-    assert not orphan.exists() and live.exists() and kept.exists()
+    assert not orphan.exists() and not legacy.exists()
+    assert live.exists() and elsewhere.exists() and kept.exists()
     ev = [e for e in sink.events if e["type"] == "snapshot_orphans_removed"]
-    assert ev and ev[0]["paths"] == [str(orphan)]
+    assert ev and sorted(ev[0]["paths"]) == sorted([str(orphan), str(legacy)])
+    own = guard.snapshots.disk.directory
+    _train(guard, model, 3, torch.Generator().manual_seed(0))
+    assert os.listdir(own)
     guard.close()
+    assert not os.path.exists(own) and kept.exists()  # close removes this run's folder only
 
 
 def test_disk_full_mid_run_degrades_to_memory_and_training_goes_on(tmp_path):
