@@ -661,7 +661,7 @@ class Guard(GuardCore):
 
     def step(self, loss: torch.Tensor | float | None = None) -> StepReport:
         opt = self.user_optimizer
-        if self.scaler is not None:
+        if self.scaler is not None and not self._misuse.already_unscaled(self, self.scaler, opt):
             self.scaler.unscale_(opt)
         self._misuse.before(self, loss)
         report = self.before_step(loss, scaler=self.scaler)

@@ -7,6 +7,9 @@
   snapshot is ever confirmed, so rollback is impossible. Warned at the first such step.
 * Gradients all zero or absent for ``zero_grad_steps`` steps in a row (``backward()`` forgotten,
   or gradients zeroed before ``guard.step``): warned once.
+* ``scaler.unscale_(optimizer)`` called by the user before ``guard.step`` (the guard unscales
+  itself; a second ``unscale_`` is a RuntimeError in torch): the guard uses the gradients as
+  they are and warns once.
 
 Each warning is also an event ``{"type": "misuse", "kind": ..., "message": ...}`` in the log.
 """
@@ -66,6 +69,19 @@ class MisuseWatch:
                          "gradguard: guard.step() was called without a loss, so loss spikes cannot be detected and no "
                          "snapshot is ever confirmed (rollback is impossible). Fix: pass the step's loss, "
                          "guard.step(loss), or call guard.observe_loss(loss) per micro-batch")
+
+    def already_unscaled(self, core: Any, scaler: Any, optimizer: Any) -> bool:
+        """True (and warned once) when the user already called ``scaler.unscale_(optimizer)``."""
+        states = getattr(scaler, "_per_optimizer_states", None)
+        state = states.get(id(optimizer)) if isinstance(states, dict) else None
+        stage = state.get("stage") if isinstance(state, dict) else None
+        if getattr(stage, "name", None) != "UNSCALED":
+            return False
+        self._report(core, "user_unscale", core.step_count + 1,
+                     "gradguard: scaler.unscale_(optimizer) was called before guard.step(); the guard unscales "
+                     "(and clips) itself. Fix: remove your scaler.unscale_ and clip_grad_norm_ calls and pass "
+                     "scaler= to the Guard")
+        return True
 
     def after(self, core: Any, report: Any) -> None:
         """Call with the step's report."""

@@ -134,3 +134,24 @@ def test_step_without_loss_and_forgotten_backward_are_explained_once(tmp_path):
     kinds = [e["kind"] for e in sink.events if e["type"] == "misuse"]
     assert kinds == ["no_loss", "no_gradients"]
     guard.close()
+
+
+def test_user_unscale_before_step_is_explained_not_a_crash(tmp_path):
+    sink = gg.MemorySink()
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    guard = gg.Guard(model, opt, scaler=scaler,
+                     config=gg.GuardConfig.preset("default", output={"console": False, "jsonl": False}), sinks=[sink])
+    gen = torch.Generator().manual_seed(0)
+    with pytest.warns(UserWarning, match=r"scaler.unscale_\(optimizer\) was called before guard.step.*Fix: remove"):
+        for _ in range(3):
+            loss = model(*make_batch(gen))
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)  # the user's habit from the AMP recipe
+            rep = guard.step(loss)
+            opt.zero_grad()
+            assert rep.applied and rep.total_norm < 100  # measured unscaled, once
+    assert [e["kind"] for e in sink.events if e["type"] == "misuse"] == ["user_unscale"]
+    guard.close()
