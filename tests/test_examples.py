@@ -43,6 +43,7 @@ def test_lightning_example_unguarded_vs_guarded(tmp_path):
     assert g["guard"]["actions"]
 
 
+@pytest.mark.slow
 def test_rehearse_example_every_fault_fires_and_is_handled(tmp_path, capsys):
     ex = load("rehearse")
     res = ex.main(["--steps", "160", "--out", str(tmp_path / "run")])
