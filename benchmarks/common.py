@@ -109,6 +109,18 @@ class Scenario:
     """The fault starts at fault_start + fault_jitter * seed: faults land at different points of the
     snapshot cycle (the harness sets ``seed``)."""
     seed: int = 0
+    clip: float | None = None
+    """The user's own max_grad_norm (None: no clipping). Arms without a clip of their own apply it
+    (``unguarded``, ``olmo_skip``, ``kill_spike``, the gradguard monitor); gradguard's acting
+    presets own clipping and start from it."""
+    pre_steps: int = 0
+    """Steps of tuned training (lr 3e-3, 20 warm-up steps, clip 1.0, other batches) before the run:
+    a pretrained-like start for the fine-tuning scenario."""
+    kind: str = "fault"
+    """'fault' (a loud instability is injected), 'quiet' (an instability that shows no spike) or
+    'healthy' (no fault: a guard must leave it alone; counts false alarms)."""
+    min_seeds: int = 0
+    """Run at least this many seeds (0..min_seeds-1) whatever ``--seeds`` says."""
 
     def in_fault(self, step: int) -> bool:
         start = self.fault_start + self.fault_jitter * self.seed
@@ -138,16 +150,30 @@ def scenarios(quick: bool = False) -> dict[str, Scenario]:
                  desc=f"base run in fp16 autocast with a real GradScaler (CPU); the final hidden states are scaled "
                       f"x1e4 for {fp_steps // 4} steps from step {fp_steps // 2 - 5} + 3 x seed: the fp16 logits overflow at "
                       "every one and the GradScaler halves its scale each time"),
-        Scenario(name="stable", steps=steps,
+        Scenario(name="quiet", steps=steps + steps // 2, lr=0.0, warmup=0, clip=1.0, kind="quiet", min_seeds=4,
+                 desc="the explosive LR (0.1, no warm-up, beta2 0.999) at width 64, batch 32, with the engines' "
+                      "default clip 1.0 applied by the user: clipping bounds every update, so on most seeds the "
+                      "loss never spikes; it plateaus 15-25% above the tuned run (a quiet failure)"),
+        Scenario(name="stable", steps=steps, kind="healthy",
                  desc="base run (lr 3e-3, 20 warm-up steps, no clipping), no fault: counts false alarms"),
+        Scenario(name="stable_lr1e-2", steps=steps, lr=1e-2, kind="healthy",
+                 desc="a higher LR that still trains well (1e-2, 20 warm-up steps), no fault"),
+        Scenario(name="stable_b4", steps=steps, batch=4, kind="healthy",
+                 desc="batch 4 (noisy gradients and losses), lr 3e-3, 20 warm-up steps, no fault"),
+        Scenario(name="stable_b8", steps=steps, batch=8, clip=1.0, kind="healthy",
+                 desc="batch 8 with the user's clip 1.0, lr 3e-3, 20 warm-up steps, no fault"),
+        Scenario(name="finetune", steps=steps, lr=3e-4, warmup=0, pre_steps=100, kind="healthy",
+                 desc="fine-tuning-like: 100 steps of tuned pre-training first (a pretrained-like init), then "
+                      "lr 3e-4 without warm-up, no fault"),
     ]
     return {s.name: s for s in out}
 
 
 def oracle_of(sc: Scenario) -> Scenario:
-    """The tuned target: lower LR + warm-up + clipping (clip added by the oracle arm), no fault."""
-    return replace(sc, name="oracle", lr=3e-3, warmup=20, fault=None, fault_start=0, fault_len=0,
-                   desc="tuned: lr 3e-3, 20 warm-up steps, clip 1.0, no fault")
+    """The tuned target: lower LR + warm-up + clipping (clip added by the oracle arm), no fault;
+    the same model, length, batch, precision and start (a fine-tuning run's pre-training)."""
+    return replace(sc, name="oracle", lr=3e-3, warmup=20, fault=None, fault_start=0, fault_len=0, clip=None,
+                   kind="oracle", desc="tuned: lr 3e-3, 20 warm-up steps, clip 1.0, no fault")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,6 +191,8 @@ class Arm:
     name = "arm"
     desc = ""
     guard_preset: str | None = None
+
+    user_clip: float | None = None  # the scenario's own clip (set by the harness)
 
     def attach(self, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, scaler: Any, out_dir: str) -> None:
         self.model, self.opt, self.sched, self.scaler = model, opt, sched, scaler
@@ -195,7 +223,7 @@ class Arm:
         return out
 
     def step(self, loss: torch.Tensor) -> Outcome:
-        return self._plain(loss)
+        return self._plain(loss, clip=self.user_clip)
 
     def finish(self) -> dict[str, Any]:
         return {}
@@ -284,7 +312,7 @@ class OLMoSkip(Arm):
             self.norms.append(norm)
             return not (self._ok(self.losses, out.loss) and self._ok(self.norms, norm))
 
-        return self._plain(loss, pre=pre)
+        return self._plain(loss, pre=pre, clip=self.user_clip)
 
 
 class KillLossSpike(Arm):
@@ -301,7 +329,7 @@ class KillLossSpike(Arm):
         self.outliers = 0
 
     def step(self, loss: torch.Tensor) -> Outcome:
-        out = self._plain(loss)
+        out = self._plain(loss, clip=self.user_clip)
         x = out.loss
         if len(self.window) == self.window.maxlen:
             mean = statistics.fmean(self.window)
@@ -328,11 +356,19 @@ class GradGuardArm(Arm):
 
     def attach(self, model, opt, sched, scaler, out_dir) -> None:  # noqa: ANN001
         super().attach(model, opt, sched, scaler, out_dir)
-        cfg = gradguard.GuardConfig.preset(self.preset, output={"dir": out_dir, "console": False}, **self.overrides)
+        overrides = dict(self.overrides)
+        if self.user_clip is not None:  # an acting guard owns clipping and starts from the user's value
+            overrides["clip"] = {"max_norm": self.user_clip, **overrides.get("clip", {})}
+        cfg = gradguard.GuardConfig.preset(self.preset, output={"dir": out_dir, "console": False}, **overrides)
         self.guard = gradguard.Guard(model, opt, scheduler=sched, scaler=scaler, config=cfg)
         self.halted: str | None = None
+        self.replay_clip = self.user_clip if cfg.clip.mode == "off" else None  # monitor: the user clips
 
     def step(self, loss: torch.Tensor) -> Outcome:
+        if self.replay_clip is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.replay_clip)
         try:
             r = self.guard.step(loss)
         except gradguard.GradGuardHalt as exc:
@@ -418,6 +454,18 @@ def run_one(model_name: str, sc: Scenario, arm_name: str, seed: int, eval_batche
     noise = torch.Generator().manual_seed(10_000 + seed)
     evb = data.eval_batches(64, eval_batches)
     model = make_model(model_name, sc.seq_len, sc.width)
+    if sc.pre_steps:  # a pretrained-like start: tuned training on batches of its own
+        pre_gen = torch.Generator().manual_seed(20_000 + seed)
+        pre_opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        for s in range(sc.pre_steps):
+            for g in pre_opt.param_groups:
+                g["lr"] = 3e-3 * min(1.0, (s + 1) / 20)
+            x, y = data.train_batch(32, pre_gen)
+            model(x, y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            pre_opt.step()
+            pre_opt.zero_grad(set_to_none=True)
+        del pre_opt
     lr = sc.lr_for(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, sc.beta2), eps=sc.eps, weight_decay=0.01)
     warm = sc.warmup
@@ -431,6 +479,7 @@ def run_one(model_name: str, sc: Scenario, arm_name: str, seed: int, eval_batche
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
     scaler = torch.amp.GradScaler("cpu") if sc.fp16 else None
     arm = Oracle() if arm_name == "oracle" else ALL_ARMS[arm_name]()
+    arm.user_clip = sc.clip
     tmp = tempfile.TemporaryDirectory(prefix="gg-bench-")
     arm.attach(model, opt, sched, scaler, tmp.name)
     hooks = FaultHooks(model, sc)

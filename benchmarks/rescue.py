@@ -49,14 +49,29 @@ DEFAULT_SEEDS = (0, 1)
 ARM_ORDER = list(ARMS)
 
 
+def _seeds_for(sc: Any, seeds: list[int]) -> list[int]:
+    """The seeds a scenario runs: those asked for, plus 0..min_seeds-1."""
+    return sorted(set(seeds) | set(range(sc.min_seeds)))
+
+
+def _kinds(scs: dict[str, Any]) -> dict[str, str]:
+    """Scenario name -> 'fault' | 'quiet' | 'healthy' (older result files: 'stable' is healthy)."""
+    out = {}
+    for name, sc in scs.items():
+        kind = sc.get("kind") if isinstance(sc, dict) else getattr(sc, "kind", None)
+        out[name] = kind or ("healthy" if name == "stable" else "fault")
+    return out
+
+
 def criterion_text() -> str:
     return (f"**Rescued**: the run finished (not stopped or halted), its final eval loss is finite and within "
             f"{(RESCUE_RATIO - 1) * 100:.0f}% of the tuned oracle's (same model, seed, precision and length; the "
             "fault-free base run without clipping ends up to ~5% above it), and at "
             f"most {MAX_SKIP_FRAC:.0%} of its steps were skipped outside the fault window. **Diverged**: eval loss "
             f"non-finite or above {DIVERGED_RATIO:g} x the oracle's. Rescue rate = rescued runs / runs, over models "
-            "and seeds; *overall* pools the five fault scenarios (the stable run is scored separately: a guard must "
-            "leave it alone).")
+            "and seeds; *overall* pools the fault scenarios, loud and quiet (the healthy runs are scored separately: a "
+            "guard must leave them alone; *vs unguarded* is the largest gap of a healthy run's eval loss to the "
+            "unguarded run of the same model, seed and scenario).")
 
 
 def run_suite(*, models: list[str], scenario_names: list[str], arms: list[str], seeds: list[int],
@@ -72,19 +87,22 @@ def run_suite(*, models: list[str], scenario_names: list[str], arms: list[str], 
                          f"models: {list(MODELS)}")
     runs: list[dict[str, Any]] = []
     oracles: dict[tuple, dict[str, Any]] = {}
-    total = len(models) * len(seeds) * len(scenario_names) * len(arms)
     done = 0
     t_start = time.perf_counter()
     def cost(name: str) -> float:  # cheap scenarios first: a partial run still covers most of the grid
         sc = scs[name]
         return sc.steps * sc.batch * sc.width ** 2 * (8 if sc.fp16 else 1)
 
-    for seed in seeds:
+    all_seeds = sorted(set(seeds) | {i for n in scenario_names for i in range(scs[n].min_seeds)})
+    total = sum(len(arms) * len(models) * len(_seeds_for(scs[n], seeds)) for n in scenario_names)
+    for seed in all_seeds:
         for model in models:
             for name in sorted(scenario_names, key=cost):
                 sc = scs[name]
+                if seed not in _seeds_for(sc, seeds):
+                    continue
                 osc = oracle_of(sc)
-                key = (model, seed, osc.steps, osc.batch, osc.fp16, osc.width)
+                key = (model, seed, osc.steps, osc.batch, osc.fp16, osc.width, osc.pre_steps)
                 if key not in oracles:
                     oracles[key] = run_one(model, osc, "oracle", seed)
                     say(f"  oracle {model} seed {seed} steps {osc.steps} batch {osc.batch} width {osc.width}"
@@ -118,7 +136,7 @@ def _document(runs: list[dict[str, Any]], oracles: dict[tuple, dict[str, Any]], 
            "scenarios": {n: as_dict(scs[n]) for n in scenario_names},
            "arms": {a: (ALL_ARMS[a]().desc) for a in arms}, "oracle_runs": oracle_runs, "runs": runs,
            "seconds": round(time.perf_counter() - t_start, 1)}
-    doc["summary"] = summarize(runs, scenario_names, arms)
+    doc["summary"] = summarize(runs, doc["scenarios"], arms)
     return doc
 
 
@@ -127,22 +145,27 @@ def _mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def summarize(runs: list[dict[str, Any]], scenario_names: list[str], arms: list[str]) -> dict[str, Any]:
+def summarize(runs: list[dict[str, Any]], scenarios: dict[str, Any], arms: list[str]) -> dict[str, Any]:
     by: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         by[(r["arm"], r["scenario"])].append(r)
-    faults = [s for s in scenario_names if s != "stable"]
-    out: dict[str, Any] = {"rate": {}, "overall": {}, "false_alarms": {}, "cells": {}}
+    kinds = _kinds(scenarios)
+    unguarded = {(r["model"], r["seed"], r["scenario"]): r["eval_loss"] for r in runs if r["arm"] == "unguarded"}
+    out: dict[str, Any] = {"rate": {}, "overall": {}, "false_alarms": {}, "healthy": {}, "vs_unguarded": {},
+                           "cells": {}}
     for arm in arms:
         out["rate"][arm] = {}
         n_all = ok_all = 0
-        for s in scenario_names:
+        healthy: list[dict[str, Any]] = []
+        for s in scenarios:
             rs = by.get((arm, s), [])
             if not rs:
                 continue
             ok = sum(r["rescued"] for r in rs)
             out["rate"][arm][s] = [ok, len(rs)]
-            if s != "stable":
+            if kinds[s] == "healthy":
+                healthy.extend(rs)
+            else:
                 n_all += len(rs)
                 ok_all += ok
             acts: Counter[str] = Counter()
@@ -157,11 +180,14 @@ def summarize(runs: list[dict[str, Any]], scenario_names: list[str], arms: list[
                 "actions": {k: round(v / len(rs), 2) for k, v in sorted(acts.items())},
                 "seconds": _mean([r["seconds"] for r in rs]),
             }
-        if faults and n_all:
+        if n_all:
             out["overall"][arm] = [ok_all, n_all]
-        st = by.get((arm, "stable"), [])
-        if st:
-            out["false_alarms"][arm] = _mean([r["alarms"] for r in st])
+        if healthy:
+            out["false_alarms"][arm] = _mean([r["alarms"] for r in healthy])
+            out["healthy"][arm] = [sum(r["rescued"] for r in healthy), len(healthy)]
+            gaps = [abs(r["eval_loss"] / unguarded[k] - 1) for r in healthy
+                    if r["eval_loss"] is not None and unguarded.get(k := (r["model"], r["seed"], r["scenario"]))]
+            out["vs_unguarded"][arm] = max(gaps) if gaps else None
     return out
 
 
@@ -174,23 +200,29 @@ def _rate(v: list[int] | None) -> str:
 
 def readme_table(doc: dict[str, Any]) -> str:
     s = doc["summary"]
-    names = list(doc["scenarios"])
-    faults = [n for n in names if n != "stable"]
-    head = ["arm"] + faults + (["**overall**"] if faults else []) + (
-        ["stable: kept / false alarms per run"] if "stable" in names else [])
+    kinds = _kinds(doc["scenarios"])
+    faults = [n for n, k in kinds.items() if k != "healthy"]
+    healthy = [n for n, k in kinds.items() if k == "healthy"]
+    head = ["arm"] + [f"{n} (quiet)" if kinds[n] == "quiet" else n for n in faults] + (
+        ["**overall**"] if faults else []) + (
+        [f"healthy ({len(healthy)} scenarios): kept / false alarms per run / vs unguarded"] if healthy else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in doc["arms"]:
         row = [f"`{arm}`"] + [_rate(s["rate"][arm].get(n)) for n in faults]
         if faults:
             row.append(f"**{_rate(s['overall'].get(arm))}**")
-        if "stable" in names:
+        if healthy:
             fa = s["false_alarms"].get(arm)
-            row.append(f"{_rate(s['rate'][arm].get('stable'))} / {'-' if fa is None else f'{fa:.1f}'}")
+            vs = (s.get("vs_unguarded") or {}).get(arm)
+            kept = s.get("healthy", {}).get(arm) or s["rate"][arm].get("stable")
+            row.append(f"{_rate(kept)} / {'-' if fa is None else f'{fa:.2f}'} / "
+                       f"{'-' if vs is None else f'{vs * 100:.1f}%'}")
         lines.append("| " + " | ".join(row) + " |")
     env = doc["environment"]
     lines.append("")
     lines.append(f"Rescue rate (rescued runs / runs) over models {', '.join(doc['models'])} and seeds "
-                 f"{', '.join(map(str, doc['seeds']))}; {env['date']}, torch {env['torch']}, {env['threads']} CPU "
+                 f"{', '.join(map(str, doc['seeds']))} (the quiet scenario: 4 seeds); healthy scenarios: "
+                 f"{', '.join(healthy)}; {env['date']}, torch {env['torch']}, {env['threads']} CPU "
                  f"threads, {doc['seconds'] / 60:.0f} min. {doc['criterion']} Generated by "
                  "`python benchmarks/rescue.py`; details in `benchmarks/results/`.")
     return "\n".join(lines) + "\n"
@@ -217,7 +249,8 @@ def markdown(doc: dict[str, Any]) -> str:
            readme_table(doc).split("\n\n")[0], "", "## Scenarios", ""]
     for n, sc in doc["scenarios"].items():
         out.append(f"- `{n}`: {sc['desc']} ({sc['steps']} steps, batch {sc['batch']} x {sc['seq_len']} bytes, "
-                   f"width {sc['width']}{', fp16' if sc['fp16'] else ''}).")
+                   f"width {sc['width']}{', fp16' if sc['fp16'] else ''}"
+                   f"{', user clip ' + format(sc['clip'], 'g') if sc.get('clip') else ''}).")
     out += ["", "Models: " + "; ".join(f"`{k}`: {v}" for k, v in doc["models"].items()) + ".", "", "## Arms", ""]
     out += [f"- `{a}`: {d}" for a, d in doc["arms"].items()]
     out += ["- `oracle` (target): tuned lr 3e-3, 20 warm-up steps, clip 1.0, no fault.", "",
@@ -269,7 +302,7 @@ def rescore(path: str, readme: bool = True) -> dict[str, Any]:
         r.update(score(r, r["oracle_loss"]))
     doc["criterion"] = criterion_text()
     doc["rescue_ratio"], doc["diverged_ratio"], doc["max_skip_frac"] = RESCUE_RATIO, DIVERGED_RATIO, MAX_SKIP_FRAC
-    doc["summary"] = summarize(doc["runs"], list(doc["scenarios"]), list(doc["arms"]))
+    doc["summary"] = summarize(doc["runs"], doc["scenarios"], list(doc["arms"]))
     doc["rescored"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write_json(path, doc)
     with open(path[:-len(".json")] + ".md", "w", encoding="utf-8") as fh:

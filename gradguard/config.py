@@ -195,8 +195,20 @@ class DetectConfig:
     scale_floor: float = 1.0
     """A GradScaler scale below this is a collapse (fp16 can no longer represent the gradients)."""
 
+    takeover_share: float = 0.2
+    """Quiet-degradation rule (a *norm takeover*): a finding when the model's final normalization
+    layer(s) (``ln_f``, ``model.norm``) carry more than this fraction of the squared gradient norm,
+    as a median over ``takeover_window`` steps. Healthy runs put at most ~2% there, runs whose LR is
+    far too high 60-99%. 1 disables the rule."""
+
+    takeover_window: int = 20
+    """Steps in the median of the norm layers' gradient share (a finding needs a full window above
+    ``takeover_share``; a persistent takeover is reported once per window)."""
+
     def __post_init__(self) -> None:
         _positive(self, "warmup_steps", allow_zero=True, integer=True)
+        _fraction(self, "takeover_share", open_high=False)
+        _positive(self, "takeover_window", integer=True)
         _fraction(self, "ema_alpha")
         for name in ("loss_sigma", "grad_sigma", "layer_grad_sigma", "scale_floor"):
             _positive(self, name)

@@ -22,8 +22,8 @@ from torch import nn
 
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
 from .config import GuardConfig
-from .detect import Detectors, Finding, Signals
-from .measure import GradMeasurer, LayerMap, metric_key
+from .detect import NORM_TAKEOVER, Detectors, Finding, Signals
+from .measure import GradMeasurer, LayerMap, metric_key, norm_layers
 from .policy import Action, Policy
 from .sinks import ConsoleSink, JSONLSink, M, Sink
 from .snapshot import SnapshotRing, SnapshotUnavailable
@@ -109,6 +109,7 @@ class GuardCore:
         self._check_optimizer_covers_model()
         self.measurer = GradMeasurer(self.layers)
         self.detectors = Detectors(config.detect)
+        self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(model, self.layers))
         self.policy = Policy(config.policy)
         self.clip = ClipController(config.clip)
         self.lr = LRMultiplier(config.lr, self.optimizer, self.layers, hooks=config.policy.act)
@@ -141,6 +142,7 @@ class GuardCore:
         self._undo: tuple[dict[str, Any], float] | None = None  # LR/clip before the last rollback rung
         self._extra_actions: list[Action] = []
         self._failed_mult = 1.0  # LR multiplier level at which the current step's instability happened
+        self._takeover_from_start = False
         self._last: StepReport | None = None
         self.sinks: list[Sink] = list(sinks or [])
         self.out_dir = out_dir if out_dir is not None else config.output.dir
@@ -226,9 +228,15 @@ class GuardCore:
             self.recent_findings.append(fd)
             self._emit(fd)
         if self.snapshots is not None:
-            healthy = not (decision.unstable or decision.suspect) and sig.loss is not None and math.isfinite(sig.loss)
+            # a quiet stall in progress: weights saved now already carry it, so they are not confirmed
+            healthy = (not (decision.unstable or decision.suspect or self.detectors.takeover.suspect)
+                       and sig.loss is not None and math.isfinite(sig.loss))
             self.snapshots.observe(step, healthy and not decision.skip)
         self._failed_mult = self.lr.level()  # the level this step's instability happened at
+        # a takeover since the first steps (the body never learned): the LR is grossly too high, as
+        # with a blow-up before the loss baseline exists, so the LR gets the same deep cut
+        self._takeover_from_start = any(f.kind == NORM_TAKEOVER and f.baseline is not None
+                                       and f.baseline <= 3 * cfg.detect.warmup_steps for f in findings)
         if any(a.name == "rollback" for a in decision.actions):
             # if the restored weights then meet bad data, this escalation was the data's fault
             self._undo = (self.lr.state_dict(), self.clip.max_norm)
@@ -375,6 +383,7 @@ class GuardCore:
             out = {"to_step": snap.step, "confirmed": snap.confirmed, "steps_lost": a.step - 1 - snap.step}
         self.lr.reapply_after_restore()
         self.lr.rewarm()
+        self.detectors.takeover.reset()  # the restored weights get a fresh window
         n_skip = self.config.recovery.skip_batches
         if n_skip and "skip_data" in self.actuators:
             skip = Action("skip_data", a.step, f"after rollback to step {out['to_step']}", {"batches": n_skip})
@@ -446,7 +455,8 @@ class GuardCore:
 
     def _execute(self, a: Action) -> None:
         if a.name == "lower_lr":
-            early = self.applied_steps < self.config.detect.warmup_steps  # not rewound by a rollback
+            # not rewound by a rollback
+            early = self.applied_steps < self.config.detect.warmup_steps or self._takeover_from_start
             factor = self.config.lr.early_down_factor if early else self.config.lr.down_factor
             old, new = self.lr.lower(failed_at=self._failed_mult, factor=factor)
             a.params["early"] = early

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["default_layer_name", "LayerMap", "Measurement", "GradMeasurer", "metric_key"]
+__all__ = ["default_layer_name", "LayerMap", "Measurement", "GradMeasurer", "metric_key", "norm_layers",
+           "is_norm_module"]
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
 
@@ -134,6 +135,28 @@ class LayerMap:
     def match(self, pattern: str) -> list[str]:
         rx = re.compile(pattern)
         return [n for n in self.layer_names if rx.search(n)]
+
+
+_NORM_TYPES: tuple[type, ...] = tuple(
+    t for t in (nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, getattr(nn, "RMSNorm", None),
+                nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+    if isinstance(t, type))
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    """A normalization layer: torch's norm modules, or a class named like one (``LlamaRMSNorm``,
+    ``T5LayerNorm``, ``Qwen2RMSNorm``...), whose parameters only scale and shift."""
+    name = type(module).__name__
+    return isinstance(module, _NORM_TYPES) or name.endswith(("Norm", "Norm1d", "Norm2d", "Norm3d"))
+
+
+def norm_layers(model: nn.Module, layers: LayerMap) -> list[str]:
+    """The layers of ``layers`` made only of normalization parameters (a final ``ln_f``)."""
+    norm_ids = {id(p) for m in model.modules() if is_norm_module(m) for p in m.parameters(recurse=False)}
+    owned: dict[int, bool] = {}
+    for p, li in zip(layers.params, layers.layer_index):
+        owned[li] = owned.get(li, True) and id(p) in norm_ids
+    return [layers.layer_names[li] for li, only_norm in sorted(owned.items()) if only_norm]
 
 
 @dataclass

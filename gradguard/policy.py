@@ -7,12 +7,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .config import PolicyConfig
-from .detect import Finding, Signals
+from .detect import NORM_TAKEOVER, Finding, Signals
 
 __all__ = ["Action", "Decision", "Policy", "INSTABILITY_KINDS", "REPEAT_KINDS"]
 
-#: Findings that count as instability on their own.
-INSTABILITY_KINDS = frozenset({"loss_spike", "overflow_rate", "scale_collapse"})
+#: Findings that count as instability on their own (a norm takeover is the quiet kind: no spike).
+INSTABILITY_KINDS = frozenset({"loss_spike", "overflow_rate", "scale_collapse", NORM_TAKEOVER})
 #: Findings handled step by step (skip, clip) that count as instability once they repeat
 #: (a grad spike only when critical: 10x its threshold).
 REPEAT_KINDS = frozenset({"nonfinite_loss", "nonfinite_grad", "grad_spike"})

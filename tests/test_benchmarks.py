@@ -25,7 +25,8 @@ def tiny_scenarios(monkeypatch):
         out = {}
         for name, sc in orig(True).items():
             out[name] = common.replace(sc, steps=10, batch=4, width=16, warmup=2 if sc.warmup else 0,
-                                       fault_start=5 if sc.fault else 0, fault_len=min(sc.fault_len, 2))
+                                       fault_start=5 if sc.fault else 0, fault_len=min(sc.fault_len, 2),
+                                       pre_steps=min(sc.pre_steps, 3), min_seeds=min(sc.min_seeds, 2))
         return out
 
     monkeypatch.setattr(rescue, "scenarios", small)
@@ -54,6 +55,25 @@ def test_rescue_harness_structure(tiny_scenarios, tmp_path):
     assert "`gradguard_default`" in table and "overall" in table
     md = rescue.markdown(doc)
     assert "Rescue rate" in md and "Rescued" in md
+
+
+def test_quiet_and_healthy_scenarios_are_scored_apart(tiny_scenarios):
+    doc = rescue.run_suite(models=["gpt"], scenario_names=["quiet", "finetune", "nan"],
+                           arms=["unguarded", "gradguard_monitor"], seeds=[0], say=lambda *a: None)
+    quiet = [r for r in doc["runs"] if r["scenario"] == "quiet"]
+    assert sorted({r["seed"] for r in quiet}) == [0, 1]  # the quiet scenario runs its minimum of seeds
+    assert len(doc["runs"]) == 2 * (2 + 1 + 1)
+    s = doc["summary"]
+    assert s["overall"]["unguarded"][1] == 3  # quiet (2 seeds) + nan; the healthy run is scored apart
+    assert s["healthy"]["gradguard_monitor"][1] == 1
+    assert s["vs_unguarded"]["unguarded"] == 0.0  # the reference itself
+    assert s["vs_unguarded"]["gradguard_monitor"] is not None
+    table = rescue.readme_table(doc)
+    assert "quiet (quiet)" in table and "healthy (1 scenarios)" in table
+    # the fine-tuning scenario starts from pre-trained weights: its first loss is below a fresh model's
+    ft = next(r for r in doc["runs"] if r["scenario"] == "finetune")
+    fresh = next(r for r in doc["runs"] if r["scenario"] == "nan" and r["arm"] == ft["arm"])
+    assert ft["losses"][0] < fresh["losses"][0]
 
 
 def test_every_arm_runs_one_scenario(tiny_scenarios):
