@@ -7,6 +7,9 @@
   snapshot is ever confirmed, so rollback is impossible. Warned at the first such step.
 * Gradients all zero or absent for ``zero_grad_steps`` steps in a row (``backward()`` forgotten,
   or gradients zeroed before ``guard.step``): warned once.
+* The user's own ``clip_grad_norm_`` before ``guard.step`` (the guard then measures clipped
+  norms and its spike detection goes blind): seen as the same round total norm (``max_norm``)
+  in 3 of the last 20 steps, which unclipped gradients never do; warned once.
 * ``scaler.unscale_(optimizer)`` called by the user before ``guard.step`` (the guard unscales
   itself; a second ``unscale_`` is a RuntimeError in torch): the guard uses the gradients as
   they are and warns once.
@@ -17,7 +20,9 @@ Each warning is also an event ``{"type": "misuse", "kind": ..., "message": ...}`
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
+from collections import deque
 from typing import Any
 
 __all__ = ["needs_closure", "check_optimizer", "MisuseWatch"]
@@ -52,6 +57,7 @@ class MisuseWatch:
         self.reported: set[str] = set()
         self._zero_streak = 0
         self._loss_seen = False
+        self._norms: deque[float] = deque(maxlen=20)
 
     def _report(self, core: Any, kind: str, step: int, message: str) -> None:
         if kind in self.reported:
@@ -94,3 +100,21 @@ class MisuseWatch:
                              "optimizer.zero_grad() after it, not between backward() and guard.step()")
         else:
             self._zero_streak = 0
+        norm = report.total_norm
+        if math.isfinite(norm) and norm > 0:
+            self._norms.append(norm)
+            clip_at = _round_value(norm)
+            if clip_at is not None and sum(abs(v - clip_at) <= 1e-4 * clip_at for v in self._norms) >= 3:
+                self._report(core, "user_clip", report.step,
+                             f"gradguard: the total grad norm was exactly {clip_at:g} in 3 of the last "
+                             f"{len(self._norms)} steps: the gradients look clipped before guard.step(), which "
+                             "hides spikes from the guard. Fix: remove your clip_grad_norm_ call and set "
+                             f"GuardConfig clip={{'max_norm': {clip_at:g}}} (the guard clips after measuring)")
+
+
+def _round_value(x: float) -> float | None:
+    """``x`` when it is within 1e-4 of a number with at most 3 significant digits (a max_norm a
+    user would type: 1.0, 0.5, 0.25, 5.0), else None."""
+    exp = math.floor(math.log10(x)) - 2
+    rounded = round(x / 10 ** exp) * 10 ** exp
+    return rounded if abs(rounded - x) <= 1e-4 * rounded else None

@@ -155,3 +155,39 @@ def test_user_unscale_before_step_is_explained_not_a_crash(tmp_path):
             assert rep.applied and rep.total_norm < 100  # measured unscaled, once
     assert [e["kind"] for e in sink.events if e["type"] == "misuse"] == ["user_unscale"]
     guard.close()
+
+
+def test_users_own_clipping_before_step_is_explained_once(tmp_path):
+    sink = gg.MemorySink()
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = gg.GuardConfig.preset("default", output={"console": False, "jsonl": False})
+    guard = gg.Guard(model, opt, config=cfg, sinks=[sink])
+    gen = torch.Generator().manual_seed(0)
+    norms = []
+    with pytest.warns(UserWarning, match=r"exactly 0.5 in 3 of the last.*Fix: remove your clip_grad_norm_"):
+        for _ in range(6):
+            loss = model(*make_batch(gen)) * 50  # large gradients: every step is clipped
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+            guard.step(loss)
+            opt.zero_grad()
+    assert min(norms) > 0.5  # they really were clipped
+    assert [e["kind"] for e in sink.events if e["type"] == "misuse"] == ["user_clip"]
+    guard.close()
+    # unclipped training never trips it
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = gg.Guard(model, opt, config=cfg)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(30):
+            loss = model(*make_batch(gen))
+            loss.backward()
+            guard.step(loss)
+            opt.zero_grad()
+    guard.close()
