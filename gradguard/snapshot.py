@@ -127,13 +127,24 @@ def copy_into(dst: Any, src: Any) -> Any:
 
 
 class _HashingWriter:
-    def __init__(self, fh: Any) -> None:
+    """File wrapper hashing what is written. An ``OSError`` of the file (disk full...) is kept in
+    ``error``: ``torch.save`` turns it into a bare ``RuntimeError`` ("unexpected pos")."""
+
+    def __init__(self, fh: Any, path: str | None = None) -> None:
         self.fh = fh
+        self.path = path
         self.hash = hashlib.sha256()
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
-        self.hash.update(data)
-        return self.fh.write(data)
+        try:
+            if self.path is not None:
+                _io.check_write(self.path)
+            self.hash.update(data)
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self.fh.flush()
@@ -172,10 +183,14 @@ class DiskSnapshots:
         tmp = final + _tmp_suffix()
         digest_tmp = final + ".sha256" + _tmp_suffix()
         try:
-            _io.check_write(final)
             with open(tmp, "wb") as fh:
-                writer = _HashingWriter(fh)
-                torch.save(state, writer)
+                writer = _HashingWriter(fh, final)
+                try:
+                    torch.save(state, writer)
+                except Exception as exc:
+                    if writer.error is not None:  # the disk failed mid-write: report the OSError
+                        raise writer.error from exc
+                    raise
                 fh.flush()
                 os.fsync(fh.fileno())
             with open(digest_tmp, "w", encoding="ascii") as fh:
