@@ -14,6 +14,7 @@ from gradguard.config import ConfigError, DetectConfig
 from gradguard.detect import NORM_TAKEOVER, Detectors, NormTakeoverDetector, Signals
 from gradguard.measure import LayerMap, norm_layers
 
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     before = torch.get_num_threads()
