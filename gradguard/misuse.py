@@ -7,9 +7,10 @@
   snapshot is ever confirmed, so rollback is impossible. Warned at the first such step.
 * Gradients all zero or absent for ``zero_grad_steps`` steps in a row (``backward()`` forgotten,
   or gradients zeroed before ``guard.step``): warned once.
-* The user's own ``clip_grad_norm_`` before ``guard.step`` (the guard then measures clipped
-  norms and its spike detection goes blind): seen as the same round total norm (``max_norm``)
-  in 3 of the last 20 steps, which unclipped gradients never do; warned once.
+* The user's own ``clip_grad_norm_`` before ``guard.step`` while the guard clips too (it then
+  measures clipped norms and its spike detection goes blind): seen as the same round total norm
+  (``max_norm``) in 3 of the last 20 steps, which unclipped gradients never do; warned once. Not
+  with ``clip.mode='off'`` or the monitor preset, where clipping is left to the user.
 * ``scaler.unscale_(optimizer)`` called by the user before ``guard.step`` (the guard unscales
   itself; a second ``unscale_`` is a RuntimeError in torch): the guard uses the gradients as
   they are and warns once.
@@ -101,7 +102,8 @@ class MisuseWatch:
         else:
             self._zero_streak = 0
         norm = report.total_norm
-        if math.isfinite(norm) and norm > 0:
+        owns_clip = core.config.policy.act and core.config.clip.mode != "off"  # else clipping is the user's job
+        if owns_clip and math.isfinite(norm) and norm > 0:
             self._norms.append(norm)
             clip_at = _round_value(norm)
             if clip_at is not None and sum(abs(v - clip_at) <= 1e-4 * clip_at for v in self._norms) >= 3:

@@ -176,13 +176,24 @@ def test_users_own_clipping_before_step_is_explained_once(tmp_path):
     assert min(norms) > 0.5  # they really were clipped
     assert [e["kind"] for e in sink.events if e["type"] == "misuse"] == ["user_clip"]
     guard.close()
+    # in monitor mode clipping is the user's job: no warning
+    mon = gg.Guard(model, opt, config=gg.GuardConfig.preset("monitor", output={"console": False, "jsonl": False}))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(6):
+            loss = model(*make_batch(gen)) * 50
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            mon.step(loss)
+            opt.zero_grad()
+    mon.close()
     # unclipped training never trips it
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = gg.Guard(model, opt, config=cfg)
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(30):
