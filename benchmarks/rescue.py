@@ -70,8 +70,8 @@ def criterion_text() -> str:
             f"most {MAX_SKIP_FRAC:.0%} of its steps were skipped outside the fault window. **Diverged**: eval loss "
             f"non-finite or above {DIVERGED_RATIO:g} x the oracle's. Rescue rate = rescued runs / runs, over models "
             "and seeds; *overall* pools the fault scenarios, loud and quiet (the healthy runs are scored separately: a "
-            "guard must leave them alone; *vs unguarded* is the largest gap of a healthy run's eval loss to the "
-            "unguarded run of the same model, seed and scenario).")
+            "guard must leave them alone; *vs unguarded* is the worst (highest) ratio of a healthy run's eval loss to "
+            "the unguarded run's of the same model, seed and scenario, minus 1: negative means better).")
 
 
 def run_suite(*, models: list[str], scenario_names: list[str], arms: list[str], seeds: list[int],
@@ -185,7 +185,7 @@ def summarize(runs: list[dict[str, Any]], scenarios: dict[str, Any], arms: list[
         if healthy:
             out["false_alarms"][arm] = _mean([r["alarms"] for r in healthy])
             out["healthy"][arm] = [sum(r["rescued"] for r in healthy), len(healthy)]
-            gaps = [abs(r["eval_loss"] / unguarded[k] - 1) for r in healthy
+            gaps = [r["eval_loss"] / unguarded[k] - 1 for r in healthy
                     if r["eval_loss"] is not None and unguarded.get(k := (r["model"], r["seed"], r["scenario"]))]
             out["vs_unguarded"][arm] = max(gaps) if gaps else None
     return out
@@ -205,7 +205,7 @@ def readme_table(doc: dict[str, Any]) -> str:
     healthy = [n for n, k in kinds.items() if k == "healthy"]
     head = ["arm"] + [f"{n} (quiet)" if kinds[n] == "quiet" else n for n in faults] + (
         ["**overall**"] if faults else []) + (
-        [f"healthy ({len(healthy)} scenarios): kept / false alarms per run / vs unguarded"] if healthy else [])
+        [f"healthy ({len(healthy)} scenarios): kept / false alarms per run / worst vs unguarded"] if healthy else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in doc["arms"]:
         row = [f"`{arm}`"] + [_rate(s["rate"][arm].get(n)) for n in faults]
@@ -216,7 +216,7 @@ def readme_table(doc: dict[str, Any]) -> str:
             vs = (s.get("vs_unguarded") or {}).get(arm)
             kept = s.get("healthy", {}).get(arm) or s["rate"][arm].get("stable")
             row.append(f"{_rate(kept)} / {'-' if fa is None else f'{fa:.2f}'} / "
-                       f"{'-' if vs is None else f'{vs * 100:.1f}%'}")
+                       f"{'-' if vs is None else f'{vs * 100:+.1f}%'}")
         lines.append("| " + " | ".join(row) + " |")
     env = doc["environment"]
     lines.append("")
@@ -316,6 +316,48 @@ def rescore(path: str, readme: bool = True) -> dict[str, Any]:
     return doc
 
 
+def merge(paths: list[str], out_dir: str) -> dict[str, Any]:
+    """One results document from several (a suite run in parts, or new scenarios next to an
+    earlier full run): a later file's run replaces an earlier one of the same model, scenario, arm
+    and seed. Writes ``rescue-<date>-<machine>-merged.{json,md}`` and the README table."""
+    docs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            docs.append(json.load(fh))
+    runs: dict[tuple, dict[str, Any]] = {}
+    oracles: dict[tuple, dict[str, Any]] = {}
+    scs: dict[str, Any] = {}
+    arms: dict[str, str] = {}
+    models: dict[str, str] = {}
+    for d in docs:
+        for r in d["runs"]:
+            runs[(r["model"], r["scenario"], r["arm"], r["seed"])] = r
+        for r in d["oracle_runs"]:
+            oracles[tuple(r["key"])] = r
+        scs.update(d["scenarios"])
+        arms.update(d["arms"])
+        models.update(d["models"])
+    order = [a for a in ALL_ARMS if a in arms]
+    doc = dict(docs[-1])
+    doc.update({"complete": all(d.get("complete", True) for d in docs), "runs": list(runs.values()),
+                "oracle_runs": list(oracles.values()), "scenarios": scs, "arms": {a: arms[a] for a in order},
+                "models": models, "seeds": sorted({r["seed"] for r in runs.values()}),
+                "seconds": sum(d["seconds"] for d in docs), "criterion": criterion_text(),
+                "merged_from": [os.path.basename(p) for p in paths],
+                "command": "python benchmarks/rescue.py --merge " + " ".join(os.path.basename(p) for p in paths)})
+    doc["summary"] = summarize(doc["runs"], scs, order)
+    stem = os.path.join(out_dir, f"rescue-{time.strftime('%Y-%m-%d')}-{machine_tag()}-merged")
+    write_json(stem + ".json", doc)
+    with open(stem + ".md", "w", encoding="utf-8") as fh:
+        fh.write(markdown(doc) + "\nMerged from: " + ", ".join(f"`{m}`" for m in doc["merged_from"]) + " (a later "
+                 "file's run replaces an earlier one of the same model, scenario, arm and seed).\n")
+    table = readme_table(doc)
+    with open(os.path.join(out_dir, "README_rescue_table.md"), "w", encoding="utf-8") as fh:
+        fh.write(table)
+    print(table)
+    return doc
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="~3-minute smoke run: short runs, seed 0, GPT only")
@@ -329,11 +371,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rescore", metavar="JSON",
                     help="recompute scores, summary, Markdown and README table of an existing results JSON with the "
                          "current criterion (no training)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="combine result files (later ones win for the same run) into one document and README table")
     ap.add_argument("--readme-table", action="store_true",
                     help="also (re)write README_rescue_table.md for a non-default selection")
     args = ap.parse_args(argv)
     if args.rescore:
         return rescore(args.rescore, readme=True)
+    if args.merge:
+        return merge(args.merge, args.out)
     torch.set_num_threads(args.threads)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else ([0] if args.quick else list(DEFAULT_SEEDS))
     names = args.scenarios.split(",") if args.scenarios else list(scenarios())

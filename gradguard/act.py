@@ -12,10 +12,13 @@ from typing import Any
 import torch
 
 from .config import AdamConfig, ClipConfig, LRConfig
-from .errors import UnsupportedSetupError
+from .errors import AttachError, UnsupportedSetupError  # AttachError: re-exported here too
 from .measure import LayerMap
 
-__all__ = ["unwrap_optimizer", "drop_grads", "ClipController", "LRMultiplier", "AdamTuner"]
+__all__ = ["AttachError", "unwrap_optimizer", "drop_grads", "ClipController", "LRMultiplier", "AdamTuner"]
+
+#: Attribute set on an optimizer while a guard's LR hooks are attached to it.
+_OWNER_ATTR = "_gradguard_lr_owner"
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -134,9 +137,23 @@ class ClipController:
                 "count": self.count, "clipped": self.clipped, "temp_norm": self.temp_norm,
                 "temp_left": self.temp_left}
 
+    _STATE = {"max_norm": float, "healthy": int, "mean": (float, type(None)), "var": float, "count": int,
+              "clipped": int, "temp_norm": (float, type(None)), "temp_left": int}
+
+    @classmethod
+    def check_state(cls, state: Any) -> None:
+        """Raise ``StateError`` unless ``state`` is a complete, well-typed clip state."""
+        from .state import StateError, check_fields
+
+        check_fields("clip", state, cls._STATE)
+        if not (math.isfinite(state["max_norm"]) and state["max_norm"] > 0):
+            raise StateError(f"gradguard state clip.max_norm={state['max_norm']!r}: must be finite and > 0. "
+                             "Fix: load a state saved by gradguard's state_dict()")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
+        self.check_state(state)
+        for k in self._STATE:
+            setattr(self, k, state[k])
 
 
 class LRMultiplier:
@@ -149,7 +166,10 @@ class LRMultiplier:
     those parameters are copied before the step and blended after it.
     """
 
-    def __init__(self, cfg: LRConfig, optimizer: torch.optim.Optimizer, layers: LayerMap) -> None:
+    def __init__(self, cfg: LRConfig, optimizer: torch.optim.Optimizer, layers: LayerMap, *,
+                 hooks: bool = True) -> None:
+        """``hooks=False`` (a monitoring guard, which never changes the LR) leaves the optimizer
+        untouched, so a monitor may watch an optimizer an acting guard drives."""
         self.cfg = cfg
         self.optimizer = optimizer
         self.layers = layers
@@ -164,15 +184,36 @@ class LRMultiplier:
         self._active = False
         self._saved_lrs: list[Any] | None = None
         self._saved_params: tuple[list[torch.Tensor], list[torch.Tensor], list[float]] | None = None
+        self._handles: list[Any] = []
+        if not hooks:
+            return
+        owner = getattr(optimizer, _OWNER_ATTR, None)
+        if owner is not None and owner is not self and owner.attached:
+            raise AttachError(
+                f"gradguard: optimizer={type(optimizer).__name__} (id {id(optimizer):#x}) already has an acting "
+                "guard attached; a second one would stack its LR multiplier on the first. "
+                "Fix: call close() on the first guard (or keep using it) before attaching a new one; "
+                "a second guard that only watches must use the 'monitor' preset")
         self._handles = [
             optimizer.register_step_pre_hook(self._pre_hook),
             optimizer.register_step_post_hook(self._post_hook),
         ]
+        setattr(optimizer, _OWNER_ATTR, self)
+
+    @property
+    def attached(self) -> bool:
+        """True while the LR hooks are on the optimizer."""
+        return bool(self._handles)
 
     def remove(self) -> None:
+        """Take the hooks off the optimizer and put back any LR a step in progress changed, so the
+        optimizer is exactly as the user built it (idempotent)."""
+        self.suspend()
         for h in self._handles:
             h.remove()
         self._handles = []
+        if getattr(self.optimizer, _OWNER_ATTR, None) is self:
+            delattr(self.optimizer, _OWNER_ATTR)
 
     # -- hooks -----------------------------------------------------------------------------
     def current(self) -> float:
@@ -310,7 +351,27 @@ class LRMultiplier:
                 "healthy": self.healthy, "ceiling_healthy": self.ceiling_healthy, "warm_left": self.warm_left,
                 "batch_scale": self.batch_scale}
 
+    _STATE = {"global_mult": float, "global_ceiling": float, "layer_mult": dict, "layer_ceiling": dict,
+              "healthy": int, "ceiling_healthy": int, "warm_left": int, "batch_scale": float}
+
+    @classmethod
+    def check_state(cls, state: Any) -> None:
+        """Raise ``StateError`` unless ``state`` is a complete, well-typed LR-multiplier state."""
+        from .state import StateError, check_fields
+
+        check_fields("lr", state, cls._STATE)
+        for key in ("global_mult", "global_ceiling", "batch_scale"):
+            if not (math.isfinite(state[key]) and state[key] > 0):
+                raise StateError(f"gradguard state lr.{key}={state[key]!r}: must be finite and > 0. "
+                                 "Fix: load a state saved by gradguard's state_dict()")
+        for key in ("layer_mult", "layer_ceiling"):
+            for name, v in state[key].items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                    raise StateError(f"gradguard state lr.{key}[{name!r}]={v!r}: must be finite and > 0. "
+                                     "Fix: load a state saved by gradguard's state_dict()")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self.ceiling_healthy = state["ceiling_healthy"]
         self.warm_left = state["warm_left"]
         self.batch_scale = state["batch_scale"]
@@ -351,5 +412,13 @@ class AdamTuner:
     def state_dict(self) -> dict[str, Any]:
         return {"applied": self.applied}
 
+    @classmethod
+    def check_state(cls, state: Any) -> None:
+        """Raise ``StateError`` unless ``state`` is a well-typed Adam-tuner state."""
+        from .state import check_fields
+
+        check_fields("adam", state, {"applied": bool})
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self.applied = state["applied"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +31,51 @@ def _fail(path: str, value: Any, problem: str, fix: str) -> None:
     raise ConfigError(f"{path}={value!r}: {problem}. Fix: {fix}")
 
 
-def _positive(obj: Any, name: str, *, allow_zero: bool = False, integer: bool = False) -> None:
+def _number_from_text(obj: Any, name: str, integer: bool = False) -> Any:
+    """A numeric string (PyYAML reads ``1e-6`` as the string ``'1e-6'``) becomes the number it
+    spells and is stored back on the field; anything else is returned unchanged."""
     value = getattr(obj, name)
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        number: Any = int(text) if integer else float(text)
+    except ValueError:
+        if not integer:
+            return value
+        try:
+            as_float = float(text)
+        except ValueError:
+            return value
+        if not as_float.is_integer():
+            return value
+        number = int(as_float)
+    setattr(obj, name, number)
+    return number
+
+
+def _flag(obj: Any, name: str) -> None:
+    """On/off fields take real booleans only (YAML's true/false/yes/no already load as bool):
+    ``"false"`` or ``0`` would otherwise read as True or be ambiguous."""
+    value = getattr(obj, name)
+    if not isinstance(value, bool):
+        _fail(f"{obj._path}.{name}", value, "must be a bool (True or False), not "
+              f"{type(value).__name__}", "pass True or False (in YAML: true or false, unquoted)")
+
+
+def _optional_text(obj: Any, name: str, what: str) -> None:
+    value = getattr(obj, name)
+    if value is None:
+        return
+    if isinstance(value, os.PathLike):
+        setattr(obj, name, os.fspath(value))
+        return
+    if not isinstance(value, str) or not value.strip():
+        _fail(f"{obj._path}.{name}", value, f"must be {what} or None", f"pass {what} as a string, or None")
+
+
+def _positive(obj: Any, name: str, *, allow_zero: bool = False, integer: bool = False) -> None:
+    value = _number_from_text(obj, name, integer)
     path = f"{obj._path}.{name}"
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
@@ -43,7 +88,7 @@ def _positive(obj: Any, name: str, *, allow_zero: bool = False, integer: bool = 
 
 
 def _fraction(obj: Any, name: str, *, open_low: bool = True, open_high: bool = True) -> None:
-    value = getattr(obj, name)
+    value = _number_from_text(obj, name)
     path = f"{obj._path}.{name}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         _fail(path, value, "must be a number", f"use e.g. {_example(obj, name)}")
@@ -87,8 +132,6 @@ class MeasureConfig:
     def __post_init__(self) -> None:
         _positive(self, "log_interval", integer=True)
         if self.layer_pattern is not None:
-            import re
-
             try:
                 re.compile(self.layer_pattern)
             except (re.error, TypeError) as exc:
@@ -276,8 +319,6 @@ class LRConfig:
         if not isinstance(self.layer_groups, dict):
             _fail(f"{self._path}.layer_groups", self.layer_groups, "must be a dict name -> regex",
                   "pass e.g. {'embeddings': r'embed'}")
-        import re
-
         for name, pattern in self.layer_groups.items():
             try:
                 re.compile(pattern)
@@ -363,6 +404,9 @@ class RecoveryConfig:
         _positive(self, "grow_after", integer=True)
         _positive(self, "grow_clip")
         _positive(self, "grow_clip_steps", integer=True, allow_zero=True)
+        _flag(self, "restore_schedule")
+        _flag(self, "restore_rng")
+        _optional_text(self, "disk_dir", "a folder path")
 
 
 @dataclass(kw_only=True)
@@ -417,8 +461,8 @@ class PolicyConfig:
     """This many consecutive skipped steps halt the run with a diagnosis."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.act, bool):
-            _fail(f"{self._path}.act", self.act, "must be a bool", "pass True or False")
+        _flag(self, "act")
+        _flag(self, "skip_nonfinite")
         _positive(self, "skip_grad_ratio")
         if not isinstance(self.ladder, list) or not self.ladder or not all(
             isinstance(r, (list, tuple)) and r for r in self.ladder
@@ -463,9 +507,10 @@ class OutputConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "metrics_interval", integer=True)
-        for name in ("jsonl", "console", "halt_raises"):
-            if not isinstance(getattr(self, name), bool):
-                _fail(f"{self._path}.{name}", getattr(self, name), "must be a bool", f"pass {name}=True or False")
+        _flag(self, "jsonl")
+        _flag(self, "console")
+        _optional_text(self, "dir", "a folder path")
+        _flag(self, "halt_raises")
 
 
 _SECTIONS = {

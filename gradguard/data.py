@@ -174,7 +174,29 @@ class BatchController:
                 "base_batch_size": self.base_batch_size, "epoch": self.epoch, "position": self.position,
                 "steps": self.steps, "seed": self.seed, "skipped_indices": [list(x) for x in self.skipped_indices]}
 
+    @staticmethod
+    def check_state(state: Any) -> None:
+        """Raise ``gradguard.state.StateError`` unless ``state`` is a complete, consistent
+        batch-controller state (nothing is changed)."""
+        from .state import StateError, check_fields
+
+        check_fields("batches", state, {"batch_size": int, "micro_batch_size": int, "base_batch_size": int,
+                                        "epoch": int, "position": int, "steps": int, "seed": int,
+                                        "skipped_indices": list})
+        for key in ("batch_size", "micro_batch_size", "base_batch_size"):
+            if state[key] < 1:
+                raise StateError(f"gradguard state batches.{key}={state[key]!r}: must be >= 1. "
+                                 "Fix: load a state saved by BatchController.state_dict()")
+        if state["micro_batch_size"] > state["batch_size"]:
+            raise StateError(f"gradguard state batches.micro_batch_size={state['micro_batch_size']!r}: above "
+                             f"batch_size={state['batch_size']}. Fix: load a state saved by BatchController.state_dict()")
+        for key in ("epoch", "position", "steps"):
+            if state[key] < 0:
+                raise StateError(f"gradguard state batches.{key}={state[key]!r}: must be >= 0. "
+                                 "Fix: load a state saved by BatchController.state_dict()")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self.batch_size = state["batch_size"]
         self.micro_batch_size = state["micro_batch_size"]
         self.base_batch_size = state["base_batch_size"]

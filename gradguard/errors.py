@@ -6,8 +6,10 @@ Hierarchy (every error gradguard raises for a user's mistake or setup is a :clas
     +-- ConfigError            (also ValueError)  a configuration value is invalid
     |   +-- ConfigTypeError    (also TypeError)   a value of the wrong type where a config was expected
     |   +-- UnsupportedSetupError (also TypeError) the engine setup cannot be guarded (DeepSpeed, FSDP,
-    |                                              an optimizer without step(), a model that is no Module...)
-    +-- StateError             (also ValueError)  a saved guard state cannot be loaded
+    |       |                                      an optimizer without step(), a model that is no Module...)
+    |       +-- AttachError                        a guard cannot be attached as asked (a second guard...)
+    +-- StateError             (also ValueError)  a saved guard state cannot be loaded (nothing changed)
+    +-- SnapshotUnavailable    (also RuntimeError) no snapshot could be restored (nothing changed)
     +-- GradGuardHalt          (also RuntimeError) the policy stopped training (``.diagnosis``)
 
 The built-in bases are kept so that code written against earlier versions (``except ValueError``,
@@ -24,7 +26,8 @@ import warnings
 from typing import Any
 
 __all__ = [
-    "GradGuardError", "ConfigError", "ConfigTypeError", "UnsupportedSetupError", "StateError", "GradGuardHalt",
+    "GradGuardError", "ConfigError", "ConfigTypeError", "UnsupportedSetupError", "AttachError", "StateError",
+    "SnapshotUnavailable", "GradGuardHalt",
     "GradGuardWarning", "is_rank0", "warn", "warn_once",
 ]
 
@@ -47,8 +50,19 @@ class UnsupportedSetupError(ConfigError, TypeError):
     the fix. A ``ConfigError`` too: the fix is always a change of the run's configuration."""
 
 
+class AttachError(UnsupportedSetupError):
+    """A guard cannot be attached as asked (e.g. a second guard on one optimizer, a closure
+    optimizer in a plain loop). The message names the object, what is wrong and the fix."""
+
+
 class StateError(GradGuardError, ValueError):
-    """A saved guard state cannot be loaded (another gradguard version, a truncated file...)."""
+    """A saved gradguard state cannot be loaded (wrong version, another model, garbled). Nothing
+    was changed. The message names the entry, the value and the fix."""
+
+
+class SnapshotUnavailable(GradGuardError, RuntimeError):
+    """No snapshot could be restored (missing, corrupt, from another model or optimizer layout).
+    Raised before anything was changed: training state is as it was."""
 
 
 class GradGuardHalt(GradGuardError, RuntimeError):

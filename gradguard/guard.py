@@ -29,12 +29,13 @@ from .config import GuardConfig
 from .contract import CheckpointSource, Collective
 from .contract import collective as default_collective
 from .detect import NORM_TAKEOVER, Detectors, Finding, Signals
-from .errors import ConfigError, GradGuardHalt, StateError, UnsupportedSetupError, is_rank0, warn
+from .errors import ConfigError, GradGuardHalt, UnsupportedSetupError, is_rank0, warn
 from .measure import GradMeasurer, LayerMap, metric_key, norm_layers
 from .policy import Action, Policy
 from .recovery import CheckpointTier, rollback_from_checkpoints, step_verdict
 from .sinks import ConsoleSink, JSONLSink, M, Sink, _clean
-from .snapshot import SnapshotRing
+from .snapshot import SnapshotRing, SnapshotUnavailable
+from .state import model_signature
 
 __all__ = ["GradGuardHalt", "StepReport", "GuardCore", "Guard"]
 
@@ -114,14 +115,14 @@ class GuardCore:
         self.reduce = reduce if reduce is not None else (
             self.collective.mean if self.collective.world_size > 1 else None)
         self.optimizer = unwrap_optimizer(optimizer)
-        self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern)
+        self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern, optimizer=self.optimizer)
         self._check_optimizer_covers_model()
         self.measurer = GradMeasurer(self.layers)
         self.detectors = Detectors(config.detect)
         self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(model, self.layers))
         self.policy = Policy(config.policy)
         self.clip = ClipController(config.clip)
-        self.lr = LRMultiplier(config.lr, self.optimizer, self.layers)
+        self.lr = LRMultiplier(config.lr, self.optimizer, self.layers, hooks=config.policy.act)
         self.adam = AdamTuner(config.adam, self.optimizer)
         self.actuators: dict[str, Callable[[Action], dict[str, Any]]] = {}
         self.healthy_hooks: list[Callable[[int], Action | None]] = []
@@ -168,6 +169,11 @@ class GuardCore:
         if config.output.console:
             self.sinks.append(ConsoleSink())
         self._closed = False
+        for sink in self.sinks:  # the event log's I/O errors become events for the other sinks
+            if isinstance(sink, JSONLSink):
+                sink.on_error = self._emit
+        if self.snapshots is not None:
+            self.snapshots.on_event = self._emit  # I/O errors and invalidations become events
         self._emit({"type": "start", "step": 0, "layers": list(self.layers.layer_names),
                     "config": config.to_dict()})
 
@@ -279,7 +285,7 @@ class GuardCore:
             recovered = self.lr.tick_healthy()
             if recovered:
                 report.actions.append(self._record(Action("recover_lr", step, "stable period", recovered)))
-            report.healthy = not decision.suspect
+            report.healthy = not (decision.suspect or self.detectors.takeover.suspect)
         if decision.skip:
             self.skipped_steps += 1
             if drop_on_skip:
@@ -408,6 +414,18 @@ class GuardCore:
 
     def _rollback(self, a: Action) -> dict[str, Any]:
         snap = self.snapshots.best() if self.snapshots is not None else None
+        problem = None
+        if snap is not None:
+            wanted = snap.step
+            try:  # all or nothing: files, model and optimizer layout are checked before any change
+                snap = self.snapshots.restore(snap, restore_schedule=self.config.recovery.restore_schedule,  # type: ignore[union-attr]
+                                              restore_rng=self.config.recovery.restore_rng)
+            except SnapshotUnavailable as exc:
+                problem = str(exc)
+                self._emit({"type": "snapshot_fallback", "step": a.step, "wanted": wanted, "restored": None,
+                            "problems": [*self.snapshots.problems, problem]})  # type: ignore[union-attr]
+                self.snapshots.problems.clear()  # type: ignore[union-attr]
+                snap = None
         if snap is None:
             out = self._rollback_from_checkpoints(a)
             for source in ([] if out else self.rollback_sources):
@@ -415,15 +433,13 @@ class GuardCore:
                 if out:
                     break
             if not out:
-                return {"unavailable": "no healthy snapshot yet: step skipped instead"}
+                return {"unavailable": f"rollback unavailable ({problem}): step skipped instead" if problem
+                        else "no healthy snapshot yet: step skipped instead"}
             out.setdefault("confirmed", True)
             out["steps_lost"] = a.step - 1 - int(out["to_step"])
             if self.snapshots is not None:  # untested candidates hold weights from after the restored state
                 self.snapshots.drop_untested()
         else:
-            wanted = snap.step
-            snap = self.snapshots.restore(snap, restore_schedule=self.config.recovery.restore_schedule,  # type: ignore[union-attr]
-                                          restore_rng=self.config.recovery.restore_rng)
             if snap.step != wanted or self.snapshots.problems:  # type: ignore[union-attr]
                 self._emit({"type": "snapshot_fallback", "step": a.step, "wanted": wanted, "restored": snap.step,
                             "problems": list(self.snapshots.problems)})  # type: ignore[union-attr]
@@ -634,8 +650,11 @@ class GuardCore:
                 "log": self.log_path}
 
     def close(self) -> dict[str, Any]:
-        """Write the summary and close the sinks (idempotent)."""
+        """Write the summary, close the sinks and take the LR hooks off the optimizer (idempotent)."""
         summary = self.summary()
+        self.lr.remove()  # the optimizer runs at the user's LR again
+        if self.snapshots is not None:
+            self.snapshots.close()  # this run's snapshot files are of no use after it
         if not self._closed:
             self._closed = True
             for s in self.sinks:
@@ -651,13 +670,18 @@ class GuardCore:
             "detectors": self.detectors.state_dict(), "policy": self.policy.state_dict(),
             "clip": self.clip.state_dict(), "lr": self.lr.state_dict(), "adam": self.adam.state_dict(),
             "snapshots": self.snapshots.state_dict() if self.snapshots is not None else None,
-            "grow_healthy": self._grow_healthy, "checkpoints": self.checkpoint_tier.state_dict(),
+            "grow_healthy": self._grow_healthy, "model_signature": model_signature(self.model),
+            "checkpoints": self.checkpoint_tier.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise StateError(f"gradguard: state version {state.get('version')!r} is not {STATE_VERSION}. "
-                             "Fix: load a state saved by this gradguard version")
+        """Validate the whole state (version, model signature, every entry), then apply it; a
+        ``gradguard.state.StateError`` means nothing was changed."""
+        from .state import load_core_state
+
+        load_core_state(self, state, self._apply_state, STATE_VERSION)
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
         self.step_count = state["step_count"]
         self.applied_steps = state["applied_steps"]
         self.skipped_steps = state["skipped_steps"]
@@ -697,6 +721,10 @@ class Guard(GuardCore):
                  scaler: Any = None, config: GuardConfig | None = None, sinks: list[Sink] | None = None,
                  out_dir: str | None = None, layer_fn: Callable[[str], str] | None = None,
                  batches: Any = None) -> None:
+        from .misuse import MisuseWatch, check_optimizer
+
+        check_optimizer(unwrap_optimizer(optimizer))  # closure optimizers (LBFGS) are refused
+        self._misuse = MisuseWatch()
         super().__init__(model, optimizer, config=config, sinks=sinks, out_dir=out_dir, layer_fn=layer_fn,
                          scheduler=scheduler, scaler=scaler)
         self.user_optimizer = optimizer
@@ -756,9 +784,11 @@ class Guard(GuardCore):
 
     def step(self, loss: torch.Tensor | float | None = None) -> StepReport:
         opt = self.user_optimizer
-        if self.scaler is not None:
+        if self.scaler is not None and not self._misuse.already_unscaled(self, self.scaler, opt):
             self.scaler.unscale_(opt)
+        self._misuse.before(self, loss)
         report = self.before_step(loss, scaler=self.scaler)
+        self._misuse.after(self, report)
         if report.applied:
             if self.scaler is not None:
                 self.scaler.step(opt)
@@ -784,6 +814,9 @@ class Guard(GuardCore):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.batches is not None and isinstance(state, dict) and hasattr(self.batches, "check_state") \
+                and "batches" in state:
+            self.batches.check_state(state["batches"])  # before anything is applied
         super().load_state_dict(state)
         if self.batches is not None and "batches" in state:
             self.batches.load_state_dict(state["batches"])

@@ -44,10 +44,16 @@ def metric_key(layer: str) -> str:
 
 
 class LayerMap:
-    """Assigns every trainable parameter of a model to a named layer."""
+    """Assigns every trainable parameter of a model to a named layer.
+
+    With ``optimizer`` the map follows it: parameters that become trainable after attach
+    (unfrozen with ``requires_grad_()``, or added with ``optimizer.add_param_group``) join the
+    map at the next :meth:`sync`. The re-check is cheap: the param groups' sizes, plus the
+    ``requires_grad`` flag of optimizer parameters still frozen (none in most runs)."""
 
     def __init__(self, model: nn.Module,
-                 layer_fn: Callable[[str], str] | str | None = None) -> None:
+                 layer_fn: Callable[[str], str] | str | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         if isinstance(layer_fn, str):
             pattern = re.compile(layer_fn)
 
@@ -60,24 +66,66 @@ class LayerMap:
             fn: Callable[[str], str] = by_regex
         else:
             fn = layer_fn or default_layer_name
+        self._fn = fn
+        self.model = model
+        self.optimizer = optimizer
         self.params: list[nn.Parameter] = []
         self.param_names: list[str] = []
         self.layer_names: list[str] = []
         self.layer_index: list[int] = []
-        seen: dict[str, int] = {}
-        for pname, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            layer = fn(pname)
-            if layer not in seen:
-                seen[layer] = len(self.layer_names)
-                self.layer_names.append(layer)
-            self.params.append(p)
-            self.param_names.append(pname)
-            self.layer_index.append(seen[layer])
+        self.version = 0
+        """Bumped each time parameters join the map."""
+        self._seen: dict[str, int] = {}
+        self._ids: set[int] = set()
+        self._frozen: list[nn.Parameter] = []  # optimizer parameters not yet trainable
+        self._signature: tuple[int, ...] | None = None
+        self._add(p_name_pairs=[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         if not self.params:
             raise UnsupportedSetupError("gradguard: the model has no trainable parameters (requires_grad=True); "
                              "attach the guard to the model being trained")
+        if optimizer is not None:
+            self._signature = self._opt_signature()
+            self._frozen = [p for p in self._untracked_optimizer_params() if not p.requires_grad]
+
+    def _add(self, p_name_pairs: list[tuple[str, nn.Parameter]]) -> list[str]:
+        added = []
+        for pname, p in p_name_pairs:
+            if id(p) in self._ids:
+                continue
+            layer = self._fn(pname)
+            if layer not in self._seen:
+                self._seen[layer] = len(self.layer_names)
+                self.layer_names.append(layer)
+            self._ids.add(id(p))
+            self.params.append(p)
+            self.param_names.append(pname)
+            self.layer_index.append(self._seen[layer])
+            added.append(pname)
+        return added
+
+    def _opt_signature(self) -> tuple[int, ...]:
+        assert self.optimizer is not None
+        return tuple(len(g["params"]) for g in self.optimizer.param_groups)
+
+    def _untracked_optimizer_params(self) -> list[nn.Parameter]:
+        assert self.optimizer is not None
+        return [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self._ids]
+
+    def sync(self) -> list[str]:
+        """Add parameters that became trainable since the last call; returns their names."""
+        if self.optimizer is None:
+            return []
+        signature = self._opt_signature()
+        if signature == self._signature and not any(p.requires_grad for p in self._frozen):
+            return []
+        self._signature = signature
+        in_opt = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        added = self._add([(n, p) for n, p in self.model.named_parameters()
+                           if p.requires_grad and id(p) in in_opt])
+        self._frozen = [p for p in self._untracked_optimizer_params() if not p.requires_grad]
+        if added:
+            self.version += 1
+        return added
 
     def __len__(self) -> int:
         return len(self.layer_names)
@@ -157,6 +205,7 @@ class GradMeasurer:
         """Squared per-layer norms and the extras are packed into one tensor; ``reduce`` (e.g. a
         DDP all-reduce mean) may combine it across ranks before the single host transfer, so every
         rank sees the same values and takes the same decisions."""
+        self.layers.sync()  # parameters unfrozen or added to the optimizer since the last step
         grads, owners = self.grads()
         n_layers = len(self.layers)
         if grads:

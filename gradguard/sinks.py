@@ -8,6 +8,9 @@ import os
 import sys
 from typing import Any, TextIO
 
+from . import _io
+from .errors import warn
+
 __all__ = ["Sink", "JSONLSink", "ConsoleSink", "MemorySink", "TensorBoardSink", "WandbSink", "M"]
 
 
@@ -73,19 +76,64 @@ class MemorySink(Sink):
 
 
 class JSONLSink(Sink):
-    """One JSON object per line: every finding and action as an event; metrics on the interval."""
+    """One JSON object per line: every finding and action as an event; metrics on the interval.
+
+    An I/O error (disk full, read-only or deleted folder) never reaches training: the log stops,
+    a ``RuntimeWarning`` is issued and a ``sink_io_error`` event goes to ``on_error`` (the guard
+    sets it to send the event to its other sinks)."""
 
     def __init__(self, path: str, metrics: bool = True) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
-        self._fh: TextIO | None = open(path, "a", encoding="utf-8")
         self.metrics = metrics
+        self.error: str | None = None
+        self._on_error: Any = None
+        self._pending: list[dict[str, Any]] = []
+        self._fh: TextIO | None = None
+        try:
+            _io.check_write(path)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._fh = open(path, "a", encoding="utf-8")
+        except OSError as exc:
+            self._fail("open", exc)
+
+    @property
+    def on_error(self) -> Any:
+        """Callable receiving the ``sink_io_error`` event (delivered late if set after the error)."""
+        return self._on_error
+
+    @on_error.setter
+    def on_error(self, fn: Any) -> None:
+        self._on_error = fn
+        pending, self._pending = self._pending, []
+        for ev in pending:
+            fn(ev)
+
+    def _fail(self, what: str, exc: OSError) -> None:
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            try:
+                fh.close()
+            except OSError:
+                pass
+        self.error = f"could not {what} {self.path} ({exc})"
+        warn(f"gradguard: the event log is off: {self.error}; training continues", category=RuntimeWarning,
+             stacklevel=3)
+        event = {"type": "sink_io_error", "step": None, "sink": "jsonl", "path": self.path, "operation": what,
+                 "error": str(exc), "errno": exc.errno}
+        if self._on_error is None:
+            self._pending.append(event)
+        else:
+            self._on_error(event)
 
     def _write(self, obj: dict[str, Any]) -> None:
         if self._fh is None:
             return
-        self._fh.write(json.dumps(_clean(obj), sort_keys=False) + "\n")
-        self._fh.flush()
+        try:
+            _io.check_write(self.path)
+            self._fh.write(json.dumps(_clean(obj), sort_keys=False) + "\n")
+            self._fh.flush()
+        except OSError as exc:
+            self._fail("write", exc)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if self.metrics:
@@ -98,7 +146,10 @@ class JSONLSink(Sink):
         if summary is not None:
             self._write({"type": "summary", **summary})
         if self._fh is not None:
-            self._fh.close()
+            try:
+                self._fh.close()
+            except OSError as exc:
+                self._fail("close", exc)
             self._fh = None
 
 

@@ -11,6 +11,8 @@ import copy
 import glob
 import hashlib
 import os
+import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +20,72 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Snapshot", "SnapshotRing", "DiskSnapshots", "copy_state", "copy_into", "state_nbytes"]
+from . import _io
+
+__all__ = ["Snapshot", "SnapshotRing", "DiskSnapshots", "SnapshotUnavailable", "copy_state", "copy_into",
+           "state_nbytes", "model_fingerprint", "optimizer_structure", "clean_orphans"]
+
+_TMP_MARK = ".tmp-"
+
+
+from .errors import SnapshotUnavailable, warn  # noqa: E402  (one error hierarchy: gradguard.errors)
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short hash of the model's state names and shapes: two runs of different models (or a
+    model whose layout changed) never share one."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        h.update(f"{name}:{shape};".encode())
+    return h.hexdigest()[:16]
+
+
+def optimizer_structure(optimizer: torch.optim.Optimizer) -> list[int]:
+    """Parameters per param group: what ``Optimizer.load_state_dict`` insists on matching."""
+    return [len(g["params"]) for g in optimizer.param_groups]
+
+
+def _host() -> str:
+    return socket.gethostname().replace(os.sep, "_") or "host"
+
+
+def _tmp_suffix() -> str:
+    """Temp-file suffix naming the writer (host and pid), so only dead writers' files are removed."""
+    return f"{_TMP_MARK}{_host()}-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # no write of ours is in progress while we look
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def clean_orphans(root: str) -> list[str]:
+    """Remove temp files left by snapshot writers that died mid-write (their host and pid are in
+    the name; the pid no longer runs on this host), in ``root`` and its run folders. Returns the removed paths; files it
+    cannot remove are left (and not reported)."""
+    removed: list[str] = []
+    if not os.path.isdir(root):
+        return removed
+    for path in glob.glob(os.path.join(root, "*" + _TMP_MARK + "*")) + glob.glob(
+            os.path.join(root, "*", "*" + _TMP_MARK + "*")):
+        writer = path.rsplit(_TMP_MARK, 1)[1]
+        host, _, pid_text = writer.rpartition("-")
+        if (host and host != _host()) or not pid_text.isdigit() or _pid_alive(int(pid_text)):
+            continue  # another machine's writer (cannot tell if it runs), or a live one
+        try:
+            os.remove(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
 
 
 def copy_state(obj: Any, device: str | torch.device | None = "cpu", pin: bool = False) -> Any:
@@ -57,13 +124,24 @@ def copy_into(dst: Any, src: Any) -> Any:
 
 
 class _HashingWriter:
-    def __init__(self, fh: Any) -> None:
+    """File wrapper hashing what is written. An ``OSError`` of the file (disk full...) is kept in
+    ``error``: ``torch.save`` turns it into a bare ``RuntimeError`` ("unexpected pos")."""
+
+    def __init__(self, fh: Any, path: str | None = None) -> None:
         self.fh = fh
+        self.path = path
         self.hash = hashlib.sha256()
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
-        self.hash.update(data)
-        return self.fh.write(data)
+        try:
+            if self.path is not None:
+                _io.check_write(self.path)
+            self.hash.update(data)
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self.fh.flush()
@@ -96,21 +174,37 @@ class DiskSnapshots:
         return os.path.join(self.directory, f"snapshot-{step:09d}.pt")
 
     def write(self, step: int, state: dict[str, Any]) -> str:
+        """Write one snapshot atomically. On an I/O error (read-only folder, disk full) the temp
+        files are removed and the ``OSError`` propagates; no partial snapshot is left behind."""
         final = self.path(step)
-        tmp = final + f".tmp-{os.getpid()}"
-        with open(tmp, "wb") as fh:
-            writer = _HashingWriter(fh)
-            torch.save(state, writer)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-        digest_tmp = final + ".sha256.tmp"
-        with open(digest_tmp, "w", encoding="ascii") as fh:
-            fh.write(writer.hash.hexdigest())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(digest_tmp, final + ".sha256")
-        _fsync_dir(self.directory)
+        tmp = final + _tmp_suffix()
+        digest_tmp = final + ".sha256" + _tmp_suffix()
+        try:
+            with open(tmp, "wb") as fh:
+                writer = _HashingWriter(fh, final)
+                try:
+                    torch.save(state, writer)
+                except Exception as exc:
+                    if writer.error is not None:  # the disk failed mid-write: report the OSError
+                        raise writer.error from exc
+                    raise
+                fh.flush()
+                os.fsync(fh.fileno())
+            with open(digest_tmp, "w", encoding="ascii") as fh:
+                fh.write(writer.hash.hexdigest())
+                fh.flush()
+                os.fsync(fh.fileno())
+            # the data first, its checksum last: a checksum always describes a complete file
+            os.replace(tmp, final)
+            os.replace(digest_tmp, final + ".sha256")
+            _fsync_dir(self.directory)
+        except BaseException:
+            for path in (tmp, digest_tmp):
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+            raise
         return final
 
     def steps(self) -> list[int]:
@@ -125,6 +219,7 @@ class DiskSnapshots:
         """The verified state of one snapshot; raises ValueError if missing or corrupt."""
         path = self.path(step)
         try:
+            _io.check_read(path)
             with open(path + ".sha256", encoding="ascii") as fh:
                 expected = fh.read().strip()
             with open(path, "rb") as fh:
@@ -137,19 +232,30 @@ class DiskSnapshots:
 
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
-    def latest_valid(self, at_most: int | None = None) -> tuple[int, dict[str, Any], list[str]]:
-        """(step, state, problems) of the newest loadable snapshot; problems lists what was skipped."""
+    def latest_valid(self, at_most: int | None = None,
+                     check: Any = None) -> tuple[int, dict[str, Any], list[str]]:
+        """(step, state, problems) of the newest loadable snapshot that passes ``check(state)``
+        (a callable raising ``ValueError`` for an unusable one); problems lists what was skipped."""
         problems: list[str] = []
-        for step in reversed(self.steps()):
+        try:
+            steps = self.steps()
+        except OSError as exc:  # pragma: no cover - glob swallows most errors
+            steps = []
+            problems.append(f"cannot list {self.directory} ({exc})")
+        for step in reversed(steps):
             if at_most is not None and step > at_most:
                 continue
             try:
-                return step, self.load(step), problems
-            except Exception as exc:  # corrupt zip, bad checksum, missing file
+                state = self.load(step)
+                if check is not None:
+                    check(state)
+                return step, state, problems
+            except Exception as exc:  # corrupt zip, bad checksum, missing file, other model
                 problems.append(str(exc))
-        raise FileNotFoundError(f"no valid snapshot in {self.directory}: " + "; ".join(problems))
+        raise FileNotFoundError(f"no valid snapshot in {self.directory}: " + ("; ".join(problems) or "none left"))
 
     def remove(self, step: int) -> None:
+        """Delete one snapshot's files; an I/O error propagates (the caller decides)."""
         for suffix in ("", ".sha256"):
             try:
                 os.remove(self.path(step) + suffix)
@@ -190,11 +296,18 @@ class Snapshot:
 
 class SnapshotRing:
     """Takes, confirms and restores snapshots of model, optimizer, scheduler, scaler, RNG and
-    any extra state the engine registers (guard detectors, data position...)."""
+    any extra state the engine registers (guard detectors, data position...).
+
+    With ``disk_dir`` the files of this ring go to a folder of their own,
+    ``<disk_dir>/run-<run_id>/`` (two runs sharing ``disk_dir`` never touch each other's files),
+    each holding the fingerprint of the model it was taken from. Temp files of writers that died
+    mid-write are removed at start. An I/O error (read-only folder, disk full, files deleted)
+    never propagates: it becomes a ``snapshot_io_error`` event and a warning, and snapshots
+    continue in host memory."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, ring_size: int,
                  confirm_steps: int, scheduler: Any = None, scaler: Any = None,
-                 disk_dir: str | None = None) -> None:
+                 disk_dir: str | None = None, run_id: str | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -208,23 +321,70 @@ class SnapshotRing:
         self.restored = 0
         self.total_seconds = 0.0
         self.last_nbytes = 0
-        self.disk = DiskSnapshots(disk_dir) if disk_dir else None
         self._spare: dict[str, Any] | None = None  # buffers of a dropped snapshot, reused by the next
         self.problems: list[str] = []
+        self.run_id = run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.fingerprint = model_fingerprint(model)
+        self._structure = optimizer_structure(optimizer)
+        self._pending: list[dict[str, Any]] = []
+        self._on_event: Any = None
+        self.disk: DiskSnapshots | None = None
+        self.disk_writable = False
+        if disk_dir:
+            orphans = clean_orphans(disk_dir)
+            if orphans:
+                self._event({"type": "snapshot_orphans_removed", "step": 0, "paths": orphans})
+            try:
+                _io.check_write(disk_dir)
+                self.disk = DiskSnapshots(os.path.join(disk_dir, f"run-{self.run_id}"))
+                self.disk_writable = True
+            except OSError as exc:
+                self._io_error("create the snapshot folder", exc, 0)
+
+    # -- events ------------------------------------------------------------------------------
+    @property
+    def on_event(self) -> Any:
+        """Callable receiving this ring's events (I/O errors, invalidations); events raised before
+        it is set are delivered when it is."""
+        return self._on_event
+
+    @on_event.setter
+    def on_event(self, fn: Any) -> None:
+        self._on_event = fn
+        pending, self._pending = self._pending, []
+        for ev in pending:
+            fn(ev)
+
+    def _event(self, event: dict[str, Any]) -> None:
+        if self._on_event is None:
+            self._pending.append(event)
+        else:
+            self._on_event(event)
+
+    def _io_error(self, what: str, exc: OSError, step: int) -> None:
+        had_disk = self.disk_writable
+        self.disk_writable = False
+        msg = (f"gradguard: could not {what} ({exc}); snapshots continue in host memory"
+               if had_disk or self.disk is None else f"gradguard: could not {what} ({exc})")
+        warn(msg, category=RuntimeWarning, stacklevel=2)
+        self._event({"type": "snapshot_io_error", "step": step, "operation": what, "error": str(exc),
+                     "errno": exc.errno, "memory_only": not self.disk_writable})
 
     def register(self, name: str, get_state: Any, set_state: Any) -> None:
         self.extra[name] = (get_state, set_state)
 
+    # -- taking ------------------------------------------------------------------------------
     def take(self, step: int) -> Snapshot:
         t0 = time.perf_counter()
         spare, self._spare = self._spare, None
-        if spare is not None and self.disk is None:
+        to_disk = self.disk is not None and self.disk_writable
+        if spare is not None and not to_disk:
             tensors = {"model": copy_into(spare["model"], self.model.state_dict()),
                        "optimizer": copy_into(spare["optimizer"], self.optimizer.state_dict())}
         else:
             tensors = {"model": copy_state(self.model.state_dict(), "cpu", pin=True),
                        "optimizer": copy_state(self.optimizer.state_dict(), "cpu", pin=True)}
-        state: dict[str, Any] = {**tensors, "rng": _rng_state()}
+        state: dict[str, Any] = {**tensors, "rng": _rng_state(), "fingerprint": self.fingerprint}
         if self.scheduler is not None:
             state["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
         if self.scaler is not None:
@@ -234,10 +394,14 @@ class SnapshotRing:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         nbytes = state_nbytes(state)
-        meta: dict[str, Any] = {}
-        if self.disk is not None:
-            meta["path"] = self.disk.write(step, state)
-            state = {}  # the disk tier keeps no second copy in memory
+        meta: dict[str, Any] = {"structure": optimizer_structure(self.optimizer)}
+        if to_disk:
+            assert self.disk is not None
+            try:
+                meta["path"] = self.disk.write(step, state)
+                state = {}  # the disk tier keeps no second copy in memory
+            except OSError as exc:
+                self._io_error(f"write snapshot {self.disk.path(step)}", exc, step)
         snap = Snapshot(step=step, state=state, nbytes=nbytes, seconds=time.perf_counter() - t0, meta=meta)
         self.candidates.append(snap)
         self.taken += 1
@@ -247,6 +411,7 @@ class SnapshotRing:
 
     def observe(self, step: int, healthy: bool) -> list[Snapshot]:
         """Feed one step's verdict. Returns the candidates confirmed by it."""
+        self._check_structure(step)
         confirmed = []
         keep = []
         for snap in self.candidates:
@@ -273,6 +438,27 @@ class SnapshotRing:
             self._release(snap)
         return confirmed
 
+    def _check_structure(self, step: int) -> None:
+        """Parameter groups added (``add_param_group``) since the snapshots were taken: they can no
+        longer be restored into this optimizer; drop them (the guard takes a fresh one)."""
+        structure = optimizer_structure(self.optimizer)
+        if structure == self._structure:
+            return
+        old, self._structure = self._structure, structure
+        self.fingerprint = model_fingerprint(self.model)
+        stale = self.ring + self.candidates
+        if stale:
+            self._event({"type": "snapshot_invalidated", "step": step, "steps": [s.step for s in stale],
+                         "reason": f"optimizer param groups changed from {old} to {structure} parameters"})
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every snapshot."""
+        for snap in self.ring + self.candidates:
+            self._release(snap)
+        self.ring, self.candidates = [], []
+        self._spare = None
+
     def drop_untested(self) -> None:
         """Forget the candidates not yet tested (after weights came back from elsewhere, they
         describe a discarded future)."""
@@ -281,8 +467,12 @@ class SnapshotRing:
             self._release(snap)
 
     def _release(self, snap: Snapshot) -> None:
-        if self.disk is not None:
-            self.disk.remove(snap.step)
+        if "path" in snap.meta and self.disk is not None:
+            try:
+                self.disk.remove(snap.step)
+            except OSError as exc:
+                if self.disk_writable:
+                    self._io_error(f"remove snapshot {snap.meta['path']}", exc, snap.step)
         elif snap.state:
             self._spare = snap.state
 
@@ -292,11 +482,53 @@ class SnapshotRing:
         usable = self.ring + [s for s in self.candidates if s.tested]
         return max(usable, key=lambda s: s.step) if usable else None
 
+    # -- restoring ---------------------------------------------------------------------------
+    def check_restorable(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming the problem unless ``state`` fits this model and optimizer
+        exactly (fingerprint, every model tensor's name and shape, the optimizer's param-group
+        layout); called before anything is changed."""
+        if not isinstance(state, dict) or "model" not in state or "optimizer" not in state:
+            raise ValueError("snapshot has no model/optimizer state")
+        fp = state.get("fingerprint")
+        current = model_fingerprint(self.model)
+        if fp != current:
+            raise ValueError(f"snapshot is from another model (fingerprint {fp!r}, this model {current!r})")
+        live = self.model.state_dict()
+        saved = state["model"]
+        if not isinstance(saved, dict) or set(saved) != set(live):
+            raise ValueError("snapshot's model tensors do not match this model's")
+        for k, v in live.items():
+            sv = saved[k]
+            if isinstance(v, torch.Tensor) and (not isinstance(sv, torch.Tensor) or sv.shape != v.shape):
+                raise ValueError(f"snapshot's {k} does not match this model's shape {tuple(v.shape)}")
+        opt = state["optimizer"]
+        groups = opt.get("param_groups") if isinstance(opt, dict) else None
+        if not isinstance(groups, list) or not isinstance(opt.get("state"), dict):
+            raise ValueError("snapshot's optimizer state is malformed")
+        structure = [len(g.get("params", ())) for g in groups]
+        if structure != optimizer_structure(self.optimizer):
+            raise ValueError(f"snapshot's optimizer has param groups of {structure} parameters, "
+                             f"this optimizer {optimizer_structure(self.optimizer)}")
+        for name in ("scheduler", "scaler"):
+            if getattr(self, name) is not None and name not in state:
+                raise ValueError(f"snapshot has no {name} state")
+
     def load_state(self, snap: Snapshot) -> tuple[Snapshot, dict[str, Any]]:
-        """The state of ``snap``; from disk, falling back to older snapshots if it is unreadable."""
-        if self.disk is None:
+        """The checked state of ``snap``; from disk, falling back to older snapshots if it is
+        unreadable. Raises :class:`SnapshotUnavailable` when nothing usable is left."""
+        if not (snap.state or "path" in snap.meta):
+            raise SnapshotUnavailable(f"snapshot of step {snap.step} holds no state")
+        if snap.state:
+            try:
+                self.check_restorable(snap.state)
+            except ValueError as exc:
+                raise SnapshotUnavailable(f"snapshot of step {snap.step}: {exc}") from exc
             return snap, snap.state
-        step, state, problems = self.disk.latest_valid(at_most=snap.step)
+        assert self.disk is not None
+        try:
+            step, state, problems = self.disk.latest_valid(at_most=snap.step, check=self.check_restorable)
+        except FileNotFoundError as exc:
+            raise SnapshotUnavailable(str(exc)) from exc
         self.problems.extend(problems)
         if step != snap.step:
             older = [s for s in self.ring + self.candidates if s.step == step]
@@ -307,7 +539,9 @@ class SnapshotRing:
     @torch.no_grad()
     def restore(self, snap: Snapshot, *, restore_schedule: bool, restore_rng: bool = False) -> Snapshot:
         """Copy the snapshot back into training (the snapshot itself is never aliased). Returns
-        the snapshot actually restored (an older one if the disk copy was unreadable)."""
+        the snapshot actually restored (an older one if the disk copy was unreadable). All or
+        nothing: everything is read and checked first; :class:`SnapshotUnavailable` means
+        nothing was changed."""
         snap, st = self.load_state(snap)
         self.model.load_state_dict(st["model"])  # copies into the existing parameters
         # one restore for every tier: optimizer state back, its current settings kept (gradguard.recovery)
@@ -330,14 +564,34 @@ class SnapshotRing:
         self.restored += 1
         return snap
 
+    def close(self) -> None:
+        """Forget every snapshot and remove this run's snapshot folder (its files are of no use
+        once the run is over: they are not part of a checkpoint). Best effort, never raises."""
+        self.clear()
+        if self.disk is not None:
+            try:
+                for name in os.listdir(self.disk.directory):
+                    if name.startswith("snapshot-"):
+                        os.remove(os.path.join(self.disk.directory, name))
+                os.rmdir(self.disk.directory)
+            except OSError:
+                pass
+
     def stats(self) -> dict[str, Any]:
         return {"taken": self.taken, "restored": self.restored, "bytes": self.last_nbytes,
                 "seconds_total": self.total_seconds, "ring": [s.step for s in self.ring],
-                "candidates": [s.step for s in self.candidates]}
+                "candidates": [s.step for s in self.candidates],
+                "disk": None if self.disk is None else self.disk.directory, "disk_writable": self.disk_writable}
 
     def state_dict(self) -> dict[str, Any]:
         """Counters only: snapshots live in memory and are not part of a checkpoint."""
         return {"taken": self.taken, "restored": self.restored, "total_seconds": self.total_seconds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        from .state import StateError, check_fields
+
+        check_fields("snapshots", state, {"taken": int, "restored": int, "total_seconds": (int, float)})
+        if min(state["taken"], state["restored"]) < 0:
+            raise StateError(f"gradguard state snapshots={state!r}: counters must be >= 0. "
+                             "Fix: load a state saved by gradguard.Guard.state_dict()")
         self.taken, self.restored, self.total_seconds = state["taken"], state["restored"], state["total_seconds"]

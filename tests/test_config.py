@@ -29,6 +29,18 @@ INVALID = [
     ({"output": {"metrics_interval": 0}}, "GuardConfig.output.metrics_interval", "0"),
     ({"clip": {"maxnorm": 1.0}}, "GuardConfig.clip.maxnorm", "1.0"),
     ({"clipping": {}}, "GuardConfig.clipping", "{}"),
+    # on/off fields take real booleans only: "false" / "no" / 1 used to read as True
+    ({"output": {"console": "false"}}, "GuardConfig.output.console", "'false'"),
+    ({"output": {"jsonl": "no"}}, "GuardConfig.output.jsonl", "'no'"),
+    ({"policy": {"act": 1}}, "GuardConfig.policy.act", "1"),
+    ({"policy": {"skip_nonfinite": 0}}, "GuardConfig.policy.skip_nonfinite", "0"),
+    ({"recovery": {"restore_rng": "true"}}, "GuardConfig.recovery.restore_rng", "'true'"),
+    ({"recovery": {"restore_schedule": None}}, "GuardConfig.recovery.restore_schedule", "None"),
+    # numeric strings parse; other strings are a clear error
+    ({"adam": {"eps": "tiny"}}, "GuardConfig.adam.eps", "'tiny'"),
+    ({"policy": {"max_skip_streak": "2.5"}}, "GuardConfig.policy.max_skip_streak", "'2.5'"),
+    ({"recovery": {"disk_dir": 3}}, "GuardConfig.recovery.disk_dir", "3"),
+    ({"output": {"dir": ""}}, "GuardConfig.output.dir", "''"),
 ]
 
 
@@ -80,3 +92,20 @@ def test_every_field_documented():
                     nxt = body[i + 1] if i + 1 < len(body) else None
                     assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, (ast.Constant, ast.BinOp)), (
                         f"{node.name}.{stmt.target.id} has no docstring")
+
+
+def test_yaml_numeric_strings_parse_and_yaml_booleans_are_accepted(tmp_path):
+    pytest.importorskip("yaml")
+    # PyYAML (YAML 1.1) reads 1e-6 as the *string* '1e-6'; quoted numbers are strings too
+    (tmp_path / "c.yaml").write_text(
+        "adam:\n  eps: 1e-6\nclip:\n  max_norm: '0.5'\npolicy:\n  max_skip_streak: '30'\n  act: no\n"
+        "output:\n  console: off\n  jsonl: true\n"
+    )
+    cfg = gg.GuardConfig.from_yaml(str(tmp_path / "c.yaml"))
+    assert cfg.adam.eps == 1e-6 and isinstance(cfg.adam.eps, float)
+    assert cfg.clip.max_norm == 0.5
+    assert cfg.policy.max_skip_streak == 30 and isinstance(cfg.policy.max_skip_streak, int)
+    assert cfg.policy.act is False and cfg.output.console is False and cfg.output.jsonl is True
+    (tmp_path / "bad.yaml").write_text("output:\n  console: 'false'\n")
+    with pytest.raises(gg.ConfigError, match=r"GuardConfig.output.console='false': must be a bool.*Fix"):
+        gg.GuardConfig.from_yaml(str(tmp_path / "bad.yaml"))

@@ -41,3 +41,21 @@ def test_lightning_example_unguarded_vs_guarded(tmp_path):
     assert u["steps"] == g["steps"] == 25
     assert g["eval_loss"] < 0.95 * u["eval_loss"], (u["eval_loss"], g["eval_loss"])
     assert g["guard"]["actions"]
+
+
+@pytest.mark.slow
+def test_rehearse_example_every_fault_fires_and_is_handled(tmp_path, capsys):
+    ex = load("rehearse")
+    res = ex.main(["--steps", "160", "--out", str(tmp_path / "run")])
+    assert res["halted"] is None and res["finite"] and res["summary"]["steps"] == 160
+    f = res["faults"]
+    assert all(v["fired"] for v in f.values()), f
+    assert "nonfinite_loss" in f["nan_loss"]["reaction"]
+    assert {"rollback", "lower_lr"} <= set(f["lr_spike"]["reaction"])
+    assert "oom_shrink_micro" in f["out_of_memory"]["reaction"]
+    assert "overflow_streak" in f["overflow_streak"]["reaction"]
+    assert "snapshot_io_error" in f["io_fault"]["reaction"]
+    assert "fired at" in capsys.readouterr().out
+    mon = ex.main(["--steps", "160", "--monitor", "--out", str(tmp_path / "mon")])
+    acted = {a for v in mon["faults"].values() for a in v["reaction"]} & {"rollback", "lower_lr", "tighten_clip", "adam"}
+    assert mon["halted"] is None and not acted

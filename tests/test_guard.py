@@ -138,6 +138,7 @@ def test_state_dict_round_trip_every_stateful_class(name, quiet_cfg):
            "LRMultiplier": guard.lr, "AdamTuner": guard.adam, "SnapshotRing": guard.snapshots}[name]
     state = obj.state_dict()
     blob = json.loads(json.dumps(state))  # states are plain JSON-able data
+    guard.close()  # one guard per optimizer: the LR hooks come off on close
     fresh = STATEFUL[name](model, opt)
     assert fresh.state_dict() != state or name == "AdamTuner"
     fresh.load_state_dict(blob)

@@ -84,6 +84,7 @@ def test_oom_halves_micro_batch_and_retries_same_data(quiet_cfg, tmp_path):
     assert rep.applied and rep.step == 1 and rep.loss == pytest.approx(loss, rel=1e-6)
     # the new size survives a resume
     state = json.loads(json.dumps(guard.state_dict()))
+    guard.close()
     ctl2 = BatchController(ds, batch_size=16, shuffle=False)
     guard2 = gg.Guard(model, opt, config=quiet_cfg(), batches=ctl2)
     guard2.load_state_dict(state)

@@ -72,7 +72,9 @@ def test_rollback_in_guard_restores_snapshot_and_keeps_counters(quiet_cfg):
     guard = gg.Guard(model, opt, config=cfg)
     gen = torch.Generator().manual_seed(0)
     for _ in range(10):
-        guard.step(model(*make_batch(gen)))
+        loss = model(*make_batch(gen))
+        loss.backward()
+        guard.step(loss)
         opt.zero_grad()
     snap = guard.snapshots.best()
     assert snap is not None and snap.confirmed and snap.step == 5

@@ -1,0 +1,174 @@
+"""Validation of saved guard state before any of it is applied.
+
+``GuardCore.load_state_dict`` hands the whole state to :func:`load_core_state`, which checks the
+version, the fingerprint of the model it was saved from, and every key and type, and only then
+applies it; if applying still fails part-way, the guard is put back as it was. Every problem is
+one :class:`StateError` naming the entry, the value and the fix (never a ``KeyError`` or a half
+load).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+from .measure import _WRAPPER_PREFIXES
+
+__all__ = ["StateError", "model_signature", "check_fields", "validate_core_state", "load_core_state"]
+
+_FIX = "Fix: load a state saved by gradguard's state_dict() for this model (or start without it)"
+
+#: Top-level entries of ``GuardCore.state_dict()`` and their types.
+_CORE_FIELDS: dict[str, Any] = {
+    "version": int, "step_count": int, "applied_steps": int, "skipped_steps": int, "n_findings": int,
+    "verified": bool, "action_counts": dict, "culprits": dict, "detectors": dict, "policy": dict,
+    "clip": dict, "lr": dict, "adam": dict, "snapshots": (dict, type(None)),
+}
+#: Entries that older states may lack (filled with their defaults on load).
+_OPTIONAL = {"grow_healthy": int, "model_signature": str, "checkpoints": list}
+
+
+from .errors import StateError  # noqa: E402  (one error hierarchy: gradguard.errors)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _strip(name: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+    return name.replace("._orig_mod.", ".").replace("._fsdp_wrapped_module.", ".")
+
+
+def model_signature(model: nn.Module) -> str:
+    """Hash of the model's parameter names and shapes (wrapper prefixes such as DDP's
+    ``module.`` dropped, so a state saved unwrapped loads under DDP and vice versa)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{_strip(name)}:{tuple(p.shape)};".encode())
+    return h.hexdigest()[:16]
+
+
+def _type_ok(value: Any, kind: Any) -> bool:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool):
+        return bool in kinds
+    if int in kinds and isinstance(value, int):
+        return True
+    if float in kinds and isinstance(value, (int, float)):
+        return True
+    return any(k not in (int, float, bool) and isinstance(value, k) for k in kinds)
+
+
+def _kind_name(kind: Any) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+
+
+def check_fields(where: str, state: Any, fields: Mapping[str, Any], optional: Mapping[str, Any] | None = None) -> None:
+    """``state`` is a dict holding every key of ``fields`` with a value of its type (ints accepted
+    for floats, bools only for bools); keys of ``optional`` are checked when present."""
+    if not isinstance(state, Mapping):
+        raise StateError(f"gradguard state {where}={_short(state)}: must be a dict "
+                         f"(a {type(state).__name__} was given). {_FIX}")
+    for key in fields:
+        if key not in state:
+            raise StateError(f"gradguard state {where or 'guard'}: entry {key!r} is missing. {_FIX}")
+    for key, kind in {**fields, **(optional or {})}.items():
+        if key in state and not _type_ok(state[key], kind):
+            raise StateError(f"gradguard state {where + '.' if where else ''}{key}={_short(state[key])}: must be "
+                             f"{_kind_name(kind)}. {_FIX}")
+
+
+def _like(where: str, value: Any, live: Any) -> None:
+    """``value`` has the shape of the live state ``live``: same kinds, and every key a live dict
+    with fixed keys has (dicts keyed by data, such as per-layer baselines, are checked per value)."""
+    if live is None or value is None:
+        return
+    if isinstance(live, bool):
+        if not isinstance(value, bool):
+            raise StateError(f"gradguard state {where}={_short(value)}: must be a bool. {_FIX}")
+    elif isinstance(live, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise StateError(f"gradguard state {where}={_short(value)}: must be a number. {_FIX}")
+    elif isinstance(live, str):
+        if not isinstance(value, str):
+            raise StateError(f"gradguard state {where}={_short(value)}: must be a string. {_FIX}")
+    elif isinstance(live, Mapping):
+        if not isinstance(value, Mapping):
+            raise StateError(f"gradguard state {where}={_short(value)}: must be a dict. {_FIX}")
+        for key, sub in live.items():
+            if key in value:
+                _like(f"{where}.{key}", value[key], sub)
+    elif isinstance(live, (list, tuple)):
+        if not isinstance(value, (list, tuple)):
+            raise StateError(f"gradguard state {where}={_short(value)}: must be a list. {_FIX}")
+        if live:
+            for i, item in enumerate(value):
+                _like(f"{where}[{i}]", item, live[0])
+
+
+def _counts(where: str, value: Mapping[str, Any]) -> None:
+    for k, v in value.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise StateError(f"gradguard state {where}[{k!r}]={_short(v)}: must be a count (int >= 0) "
+                             f"keyed by name. {_FIX}")
+
+
+def validate_core_state(core: Any, state: Any, version: int) -> None:
+    """Check a whole ``GuardCore`` state against ``core`` without changing anything."""
+    if not isinstance(state, Mapping):
+        raise StateError(f"gradguard state={_short(state)}: must be the dict returned by state_dict() "
+                         f"(a {type(state).__name__} was given). {_FIX}")
+    if state.get("version") != version:
+        raise StateError(f"gradguard state version={_short(state.get('version'))}: this gradguard reads "
+                         f"version {version}. Fix: load a state saved by this gradguard version")
+    check_fields("", state, _CORE_FIELDS, _OPTIONAL)
+    for key in ("step_count", "applied_steps", "skipped_steps", "n_findings", "grow_healthy"):
+        if key in state and state[key] < 0:
+            raise StateError(f"gradguard state {key}={state[key]!r}: must be >= 0. {_FIX}")
+    sig = state.get("model_signature")
+    if sig is not None and sig != model_signature(core.model):
+        raise StateError(
+            f"gradguard state model_signature={sig!r}: saved from another model (this model's parameter "
+            f"names and shapes give {model_signature(core.model)!r}). Fix: load the state saved with this "
+            "model, or start this run's guard without it")
+    _counts("action_counts", state["action_counts"])
+    _counts("culprits", state["culprits"])
+    live = core.state_dict()
+    for key in ("detectors", "policy", "clip", "lr", "adam"):
+        _like(key, state[key], live[key])
+    from .act import AdamTuner, ClipController, LRMultiplier
+
+    ClipController.check_state(state["clip"])
+    LRMultiplier.check_state(state["lr"])
+    AdamTuner.check_state(state["adam"])
+    if state["snapshots"] is not None:
+        check_fields("snapshots", state["snapshots"],
+                     {"taken": int, "restored": int, "total_seconds": (int, float)})
+    for key, value in state["lr"].get("layer_mult", {}).items():
+        if not math.isfinite(value) or value <= 0:
+            raise StateError(f"gradguard state lr.layer_mult[{key!r}]={value!r}: must be finite and > 0. {_FIX}")
+
+
+def load_core_state(core: Any, state: Any, apply: Callable[[Mapping[str, Any]], None], version: int) -> None:
+    """Validate ``state`` for ``core``, then ``apply`` it; if applying fails part-way the guard's
+    previous state is applied back and a :class:`StateError` is raised (all or nothing)."""
+    validate_core_state(core, state, version)
+    backup = core.state_dict()
+    try:
+        apply(state)
+    except Exception as exc:
+        apply(backup)
+        raise StateError(f"gradguard state could not be applied ({type(exc).__name__}: {exc}); the guard "
+                         f"was left as it was. {_FIX}") from exc

@@ -1,0 +1,204 @@
+"""Table-driven bad input (issue 12): every class of mistake gives one clear error (or, for
+misuse that training survives, one warning) naming the field or object, the value and the fix;
+nothing is half-applied."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+import gradguard as gg
+from gradguard.act import AttachError
+from gradguard.state import StateError
+
+from .conftest import TinyNet, make_batch
+
+
+def _guard(tmp_path, model=None, opt=None, preset="default", **over):
+    torch.manual_seed(0)
+    model = model or TinyNet()
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = gg.GuardConfig.preset(preset, output={"dir": str(tmp_path), "console": False}, **over)
+    return gg.Guard(model, opt, config=cfg), model, opt
+
+
+def _trained_state(tmp_path, steps=6, width=16):
+    torch.manual_seed(0)
+    model = TinyNet(width=width)
+    guard, model, opt = _guard(tmp_path / f"src{width}", model=model)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        loss = model(*make_batch(gen))
+        loss.backward()
+        guard.step(loss)
+        opt.zero_grad()
+    guard.lr.lower()
+    state = json.loads(json.dumps(guard.state_dict()))
+    guard.close()
+    return state
+
+
+def _garble(path, value):
+    def f(state):
+        state = copy.deepcopy(state)
+        *parents, last = path
+        d = state
+        for p in parents:
+            d = d[p]
+        if value is KeyError:
+            del d[last]
+        else:
+            d[last] = value
+        return state
+    return f
+
+
+# (id, how the state is broken, the entry the message names, the value it quotes)
+BAD_STATES = [
+    ("not-a-dict", lambda s: [s], "state=[", "list"),
+    ("version", _garble(["version"], 99), "version=99", "99"),
+    ("missing-entry", _garble(["detectors"], KeyError), "entry 'detectors' is missing", "detectors"),
+    ("counter-type", _garble(["step_count"], "ten"), "step_count='ten'", "'ten'"),
+    ("negative-counter", _garble(["skipped_steps"], -3), "skipped_steps=-3", "-3"),
+    ("bool-type", _garble(["verified"], "no"), "verified='no'", "'no'"),
+    ("counts", _garble(["action_counts", "lower_lr"], "x"), "action_counts['lower_lr']='x'", "'x'"),
+    ("lr-missing", _garble(["lr", "global_mult"], KeyError), "lr: entry 'global_mult' is missing", "global_mult"),
+    ("lr-value", _garble(["lr", "global_mult"], float("nan")), "lr.global_mult=nan", "nan"),
+    ("lr-layer", _garble(["lr", "layer_mult"], {"lm_head": -1.0}), "lr.layer_mult['lm_head']=-1.0", "-1.0"),
+    ("clip-type", _garble(["clip", "max_norm"], "big"), "clip.max_norm='big'", "'big'"),
+    ("adam", _garble(["adam", "applied"], 1), "adam.applied=1", "1"),
+    ("detector-type", _garble(["detectors", "loss", "healthy"], "many"), "detectors.loss.healthy='many'", "'many'"),
+    ("policy-type", _garble(["policy"], "x"), "policy='x'", "'x'"),
+    # passes the type checks but cannot be applied: rolled back as a whole
+    ("detector-garbled", _garble(["detectors"], {"loss": {}}), "could not be applied", "KeyError"),
+]
+
+
+@pytest.mark.parametrize("name,breaker,names,value", BAD_STATES, ids=[b[0] for b in BAD_STATES])
+def test_bad_guard_state_is_one_clear_error_and_changes_nothing(tmp_path, name, breaker, names, value):
+    state = _trained_state(tmp_path)
+    guard, _, _ = _guard(tmp_path / "dst")
+    before = guard.state_dict()
+    with pytest.raises(StateError) as info:
+        guard.load_state_dict(breaker(state))
+    msg = str(info.value)
+    assert names in msg and value in msg and "Fix:" in msg, msg
+    assert guard.state_dict() == before  # all or nothing
+    guard.load_state_dict(state)  # the intact state still loads
+    assert guard.step_count == 6 and guard.lr.global_mult < 1
+    guard.close()
+
+
+def test_state_from_another_model_is_refused(tmp_path):
+    state = _trained_state(tmp_path, width=8)
+    guard, _, _ = _guard(tmp_path / "dst")
+    before = guard.state_dict()
+    with pytest.raises(StateError, match=r"model_signature='[0-9a-f]+': saved from another model.*Fix:"):
+        guard.load_state_dict(state)
+    assert guard.state_dict() == before
+    legacy = {k: v for k, v in _trained_state(tmp_path / "legacy").items() if k != "model_signature"}
+    guard.load_state_dict(legacy)  # states saved before signatures existed still load
+    assert guard.step_count == 6
+    guard.close()
+
+
+def test_second_acting_guard_and_closure_optimizer_are_refused_at_attach(tmp_path):
+    guard, model, opt = _guard(tmp_path)
+    with pytest.raises(AttachError) as info:
+        gg.Guard(model, opt, config=guard.config)
+    assert "optimizer=AdamW" in str(info.value) and "Fix:" in str(info.value)
+    guard.close()
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(AttachError, match=r"optimizer=LBFGS needs a closure.*Fix: use a first-order optimizer"):
+        gg.Guard(model, lbfgs, config=guard.config)
+
+
+def test_step_without_loss_and_forgotten_backward_are_explained_once(tmp_path):
+    sink = gg.MemorySink()
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = gg.Guard(model, opt, config=gg.GuardConfig.preset("default", output={"console": False, "jsonl": False}),
+                     sinks=[sink])
+    gen = torch.Generator().manual_seed(0)
+    with pytest.warns(UserWarning, match=r"without a loss.*Fix: pass the step's loss") as rec:
+        for _ in range(3):
+            model(*make_batch(gen)).backward()
+            guard.step()
+            opt.zero_grad()
+    assert sum("without a loss" in str(w.message) for w in rec) == 1  # once
+    with pytest.warns(UserWarning, match=r"all zero or absent for 3 steps.*Fix: call loss.backward\(\)"):
+        for _ in range(5):
+            guard.step(model(*make_batch(gen)))  # backward forgotten
+    kinds = [e["kind"] for e in sink.events if e["type"] == "misuse"]
+    assert kinds == ["no_loss", "no_gradients"]
+    guard.close()
+
+
+def test_user_unscale_before_step_is_explained_not_a_crash(tmp_path):
+    sink = gg.MemorySink()
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    guard = gg.Guard(model, opt, scaler=scaler,
+                     config=gg.GuardConfig.preset("default", output={"console": False, "jsonl": False}), sinks=[sink])
+    gen = torch.Generator().manual_seed(0)
+    with pytest.warns(UserWarning, match=r"scaler.unscale_\(optimizer\) was called before guard.step.*Fix: remove"):
+        for _ in range(3):
+            loss = model(*make_batch(gen))
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)  # the user's habit from the AMP recipe
+            rep = guard.step(loss)
+            opt.zero_grad()
+            assert rep.applied and rep.total_norm < 100  # measured unscaled, once
+    assert [e["kind"] for e in sink.events if e["type"] == "misuse"] == ["user_unscale"]
+    guard.close()
+
+
+def test_users_own_clipping_before_step_is_explained_once(tmp_path):
+    sink = gg.MemorySink()
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = gg.GuardConfig.preset("default", output={"console": False, "jsonl": False})
+    guard = gg.Guard(model, opt, config=cfg, sinks=[sink])
+    gen = torch.Generator().manual_seed(0)
+    norms = []
+    with pytest.warns(UserWarning, match=r"exactly 0.5 in 3 of the last.*Fix: remove your clip_grad_norm_"):
+        for _ in range(6):
+            loss = model(*make_batch(gen)) * 50  # large gradients: every step is clipped
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+            guard.step(loss)
+            opt.zero_grad()
+    assert min(norms) > 0.5  # they really were clipped
+    assert [e["kind"] for e in sink.events if e["type"] == "misuse"] == ["user_clip"]
+    guard.close()
+    # in monitor mode clipping is the user's job: no warning
+    mon = gg.Guard(model, opt, config=gg.GuardConfig.preset("monitor", output={"console": False, "jsonl": False}))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(6):
+            loss = model(*make_batch(gen)) * 50
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            mon.step(loss)
+            opt.zero_grad()
+    mon.close()
+    # unclipped training never trips it
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = gg.Guard(model, opt, config=cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(30):
+            loss = model(*make_batch(gen))
+            loss.backward()
+            guard.step(loss)
+            opt.zero_grad()
+    guard.close()
