@@ -61,8 +61,8 @@ def main(out: str, mode: str) -> None:
            "logs": [[h["step"], h["loss"], h.get("gradguard/loss")] for h in trainer.state.log_history if "loss" in h]}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(res, fh)
-    shutdown()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    shutdown()  # after main returned: the trainer and its DDP wrapper are garbage now

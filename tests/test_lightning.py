@@ -469,6 +469,7 @@ DDP_SCRIPT = textwrap.dedent('''
             "batches": t.num_training_batches, "window": cb.data_skipped_steps, "steps": cb.core.step_count,
             "computed": len(m.micro_losses)}}
     (out / f"rank{{t.global_rank}}.json").write_text(json.dumps(res))
+    del t, m, cb, extra, res  # the trainer, its DDP wrapper and the callbacks: garbage before the group goes
     from _dist import shutdown
     shutdown()
 ''')
