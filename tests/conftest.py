@@ -30,6 +30,16 @@ def make_batch(gen: torch.Generator, bs: int = 8, t: int = 6, vocab: int = 32):
     return x, (x + 1) % vocab
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is several times faster than two on a shared CPU.
+    Modules of real-engine runs use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def tiny():
     torch.manual_seed(0)

@@ -23,12 +23,7 @@ ENGINES = ["plain", "hf", "lightning"]
 VOCAB, SEQ, BS = 64, 8, 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the model, written once ------------------------------------------------------------------------

@@ -21,13 +21,7 @@ SEQ = 32
 _DATA = load_corpus(60_000).long()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is several times faster than two on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class ByteDataset(torch.utils.data.Dataset):

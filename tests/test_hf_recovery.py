@@ -12,7 +12,9 @@ pytest.importorskip("transformers")
 from transformers import TrainerCallback  # noqa: E402
 
 from gradguard.hf import GradGuardCallback  # noqa: E402
-from tests.test_hf import Probe, _one_thread, cfg, inject, make_trainer, tiny_gpt2, train_logs  # noqa: E402,F401
+from tests.test_hf import Probe, cfg, inject, make_trainer, tiny_gpt2, train_logs  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def no_dropout():

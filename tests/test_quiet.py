@@ -17,13 +17,7 @@ from gradguard.config import ConfigError, DetectConfig
 from gradguard.detect import NORM_TAKEOVER, Detectors, NormTakeoverDetector, Signals
 from gradguard.measure import LayerMap, norm_layers
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 LAYERS = ["tok_emb", "blocks.0", "blocks.1", "ln_f", "lm_head"]
