@@ -239,12 +239,13 @@ class GuardCore:
             fd = {"type": "finding", **f.to_dict()}
             self.recent_findings.append(fd)
             self._emit(fd)
+        # a quiet stall in progress: weights saved now already carry it, so they are not confirmed
+        suspect = decision.suspect or self.detectors.takeover.suspect
         if self.snapshots is not None:
-            # a quiet stall in progress: weights saved now already carry it, so they are not confirmed
-            healthy = (not (decision.unstable or decision.suspect or self.detectors.takeover.suspect)
-                       and sig.loss is not None and math.isfinite(sig.loss))
+            healthy = not (decision.unstable or suspect) and sig.loss is not None and math.isfinite(sig.loss)
             self.snapshots.observe(step, healthy and not decision.skip)
-        self._observe_checkpoints(step, findings, sig.loss, decision)
+        healthy_ckpt, bad_ckpt = step_verdict(findings, sig.loss, unstable=decision.unstable, suspect=suspect)
+        self.checkpoint_tier.observe(step, healthy_ckpt, bad_ckpt)
         self._failed_mult = self.lr.level()  # the level this step's instability happened at
         # a takeover since the first steps (the body never learned): the LR is grossly too high, as
         # with a blow-up before the loss baseline exists, so the LR gets the same deep cut
@@ -285,7 +286,7 @@ class GuardCore:
             recovered = self.lr.tick_healthy()
             if recovered:
                 report.actions.append(self._record(Action("recover_lr", step, "stable period", recovered)))
-            report.healthy = not (decision.suspect or self.detectors.takeover.suspect)
+            report.healthy = not suspect
         if decision.skip:
             self.skipped_steps += 1
             if drop_on_skip:
@@ -381,12 +382,6 @@ class GuardCore:
     def checkpoint_saved(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> None:
         """The engine wrote a checkpoint after update ``step`` (on every process: decisions must match)."""
         self.checkpoint_tier.saved(step, list(paths))
-
-    def _observe_checkpoints(self, step: int, findings: list[Finding], loss: float | None, decision: Any) -> None:
-        # the same rule as the snapshot ring: a quiet stall in progress confirms nothing
-        suspect = decision.suspect or self.detectors.takeover.suspect
-        healthy, bad = step_verdict(findings, loss, unstable=decision.unstable, suspect=suspect)
-        self.checkpoint_tier.observe(step, healthy, bad)
 
     def _rollback_from_checkpoints(self, a: Action) -> dict[str, Any] | None:
         if self.checkpoint_source is None:
