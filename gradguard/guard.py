@@ -31,6 +31,7 @@ from .contract import collective as default_collective
 from .detect import NORM_TAKEOVER, Detectors, Finding, Signals
 from .errors import ConfigError, GradGuardHalt, UnsupportedSetupError, is_rank0, warn
 from .measure import GradMeasurer, LayerMap, metric_key, norm_layers
+from .oom import OomRecovery, PieceFailed
 from .policy import Action, Policy
 from .recovery import CheckpointTier, rollback_from_checkpoints, step_verdict
 from .sinks import ConsoleSink, JSONLSink, M, Sink, _clean
@@ -729,6 +730,7 @@ class Guard(GuardCore):
         self._step_scheduler = scheduler is not None and not isinstance(scheduler, plateau)
         self.batches = batches
         self.halted: dict[str, Any] | None = None
+        self.oom = OomRecovery(self, lambda: list(self.model.parameters()), self._shrink_micro_to, monitor_too=True)
         if batches is not None:
             self.attach_data_skip(self._skip_data)
             self.attach_batches(batches)
@@ -751,31 +753,47 @@ class Guard(GuardCore):
             raise ConfigError("gradguard: Guard.accumulate needs a batch controller. Fix: "
                              "Guard(..., batches=gradguard.data.BatchController(dataset, batch_size))")
         total = len(batch)
-        while True:
-            acc: torch.Tensor | None = None
-            try:
-                for mb, n in batch.micro_batches(self.batches.micro_batch_size):
-                    loss = loss_fn(mb)
-                    weighted = loss * (n / total)
-                    (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
-                    acc = weighted.detach() if acc is None else acc + weighted.detach()
-                    del loss, weighted
-                break
-            except torch.OutOfMemoryError as exc:
-                acc = None
-                drop_grads(list(self.model.parameters()))  # partial gradients of the failed attempt
-                import gc
+        ctl = self.batches
 
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                moved = self.batches.shrink_micro()
-                if moved is None:
-                    raise
-                self._record(Action("oom_shrink_micro", self.step_count + 1, f"out of memory: {str(exc)[:120]}",
-                                    {"micro_batch": list(moved), "accumulation": self.batches.accumulation_steps}))
+        def run(micro: int) -> torch.Tensor | None:
+            acc: torch.Tensor | None = None
+            for mb, n in batch.micro_batches(micro):
+                loss = loss_fn(mb)
+                weighted = loss * (n / total)
+                (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+                acc = weighted.detach() if acc is None else acc + weighted.detach()
+                del loss, weighted
+            return acc
+
+        micro, message = ctl.micro_batch_size, ""
+        try:
+            acc = run(micro)
+        except torch.OutOfMemoryError as exc:
+            if not self.oom.can_recover(min(micro, total), self.collective.world_size):
+                raise
+            message = f"{type(exc).__name__}: {exc}"[:160]
+            acc = None
+        if message:
+            # the core's rule (gradguard.oom): the whole step is run again (nothing earlier to keep),
+            # its micro-batches split into pieces until they fit; the controller's micro-batch follows
+
+            def attempt(parts: int) -> torch.Tensor | None:
+                try:
+                    return run(-(-micro // parts))
+                except torch.OutOfMemoryError:
+                    raise PieceFailed(True) from None
+
+            acc = self.oom.recover(attempt, samples=min(micro, total), message=message, touched=True,
+                                   earlier_grads=False)
         self._loss_sum, self._loss_n = acc, 1
         return float("nan") if acc is None else float(acc)
+
+    def _shrink_micro_to(self, fits: int) -> tuple[int, int] | None:
+        ctl = self.batches
+        start = ctl.micro_batch_size
+        while ctl.micro_batch_size > fits and ctl.shrink_micro() is not None:
+            pass
+        return (start, ctl.micro_batch_size) if ctl.micro_batch_size < start else None
 
     def step(self, loss: torch.Tensor | float | None = None) -> StepReport:
         opt = self.user_optimizer

@@ -119,7 +119,7 @@ class _GradGuardMixin:
 
     @property
     def oom_events(self) -> int:
-        return self.steps.oom_events
+        return self.steps.oom.events if self.steps.oom is not None else 0
 
     @property
     def _poisoned(self) -> bool:
