@@ -33,7 +33,7 @@ from .errors import ConfigError, GradGuardHalt, UnsupportedSetupError, is_rank0,
 from .measure import GradMeasurer, LayerMap, metric_key, norm_layers
 from .policy import Action, Policy
 from .recovery import CheckpointTier, rollback_from_checkpoints, step_verdict
-from .sinks import ConsoleSink, JSONLSink, M, Sink, _clean
+from .sinks import EVENT_SCHEMA_VERSION, ConsoleSink, JSONLSink, M, Sink, _clean, package_versions
 from .snapshot import SnapshotRing, SnapshotUnavailable
 from .state import model_signature
 
@@ -174,7 +174,9 @@ class GuardCore:
                 sink.on_error = self._emit
         if self.snapshots is not None:
             self.snapshots.on_event = self._emit  # I/O errors and invalidations become events
-        self._emit({"type": "start", "step": 0, "layers": list(self.layers.layer_names),
+        self._cause_ids: list[int] = []  # ids of the findings that the step's actions answer
+        self._emit({"type": "start", "step": 0, "schema_version": EVENT_SCHEMA_VERSION,
+                    "versions": package_versions(), "layers": list(self.layers.layer_names),
                     "config": config.to_dict()})
 
     # -- validation ------------------------------------------------------------------------
@@ -233,10 +235,12 @@ class GuardCore:
                 grads, _ = self.measurer.grads()
                 report.clipped = self.clip.apply(grads, meas.total_norm, clip_to)
             self.clip.observe(meas.total_norm, clip_to)
+        self._cause_ids = []
         for f in findings:
             self.n_findings += 1
             self.culprits.update(f.layers)
-            fd = {"type": "finding", **f.to_dict()}
+            fd = {"type": "finding", "id": self.n_findings, **f.to_dict()}
+            self._cause_ids.append(self.n_findings)
             self.recent_findings.append(fd)
             self._emit(fd)
         # a quiet stall in progress: weights saved now already carry it, so they are not confirmed
@@ -275,6 +279,7 @@ class GuardCore:
                 if "to_step" in a.params:
                     self.policy.last_escalation = None  # restored weights: no cooldown
                     self._verified = True
+        step_ids, self._cause_ids = self._cause_ids, []  # later actions (relaxations, growth) answer none
         if decision.unstable:
             self.lr.mark_unstable(self._failed_mult)
             self.clip.reset_healthy()
@@ -289,6 +294,8 @@ class GuardCore:
             report.healthy = not suspect
         if decision.skip:
             self.skipped_steps += 1
+            self._emit({"type": "skip", "step": step, "reason": report.skip_reason or "skipped",
+                        "finding_ids": step_ids})
             if drop_on_skip:
                 drop_grads(self.layers.params)
             report.clipped = False
@@ -300,7 +307,7 @@ class GuardCore:
             report.diagnosis = self.diagnosis(report, next((a.reason for a in decision.actions
                                                             if a.name == "halt"), "policy halt"))
             self._emit({"type": "halt", "step": step, "message": report.diagnosis["reason"],
-                        "diagnosis": report.diagnosis})
+                        "finding_ids": step_ids, "diagnosis": report.diagnosis})
             self.write_diagnosis(report.diagnosis)
         report.lr_multiplier = self.lr.current()
         if report.applied and step % cfg.measure.log_interval == 0:
@@ -326,6 +333,8 @@ class GuardCore:
         (e.g. an engine that cannot skip a batch before computing it)."""
         self.step_count += 1
         self.skipped_steps += 1
+        self._emit({"type": "skip", "step": self.step_count, "reason": "batch discarded by the engine",
+                    "finding_ids": []})
 
     def after_step(self, report: StepReport) -> None:
         """Call after the optimizer stepped (or not): counters, log-interval metrics."""
@@ -590,7 +599,7 @@ class GuardCore:
 
     def _record(self, a: Action) -> Action:
         self.action_counts[a.name] += 1
-        self._emit({"type": "action", **a.to_dict()})
+        self._emit({"type": "action", **a.to_dict(), "finding_ids": list(self._cause_ids)})
         return a
 
     # -- reporting -------------------------------------------------------------------------

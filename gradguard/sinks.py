@@ -11,7 +11,39 @@ from typing import Any, TextIO
 from . import _io
 from .errors import warn
 
-__all__ = ["Sink", "JSONLSink", "ConsoleSink", "MemorySink", "TensorBoardSink", "WandbSink", "M"]
+__all__ = ["Sink", "JSONLSink", "ConsoleSink", "MemorySink", "TensorBoardSink", "WandbSink", "M",
+           "EVENT_SCHEMA_VERSION", "event_schema", "package_versions"]
+
+EVENT_SCHEMA_VERSION = 1
+"""Version of the JSONL event records (``gradguard/schema/events.schema.json``), in the ``start``
+record; raised when a field changes meaning or goes away (new fields and record types keep it)."""
+
+
+def event_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of the JSONL event records, shipped with the package."""
+    from importlib import resources
+
+    return json.loads(resources.files("gradguard").joinpath("schema/events.schema.json").read_text("utf-8"))
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of python, gradguard, torch and of the engines already imported (for the ``start`` record)."""
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist, module in (("gradguard", "gradguard"), ("torch", "torch"), ("transformers", "transformers"),
+                         ("accelerate", "accelerate"), ("lightning", "lightning"),
+                         ("pytorch-lightning", "pytorch_lightning")):
+        if module not in sys.modules:
+            continue
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = getattr(sys.modules[module], "__version__", None)
+            if isinstance(version, str):
+                out[dist] = version
+    return out
 
 
 class M:
