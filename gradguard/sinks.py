@@ -54,7 +54,8 @@ class M:
     GRAD_NORM_LAYER = "gradguard/grad_norm"  # + /<layer>
     PARAM_NORM_LAYER = "gradguard/param_norm"  # + /<layer>
     UPDATE_RATIO_LAYER = "gradguard/update_ratio"  # + /<layer>
-    LR = "gradguard/lr"  # + /group<i>
+    LR = "gradguard/lr"  # + /group<i>: the applied LR (the scheduler's x the multiplier)
+    LR_SCHEDULED = "gradguard/lr_scheduled"  # + /group<i>: the scheduler's LR, before the multiplier
     LR_MULT = "gradguard/lr_multiplier"
     MAX_NORM = "gradguard/max_grad_norm"
     SCALE = "gradguard/loss_scale"
@@ -64,6 +65,13 @@ class M:
     FINDINGS = "gradguard/findings"
     ACTION = "gradguard/action"  # + /<name>: cumulative count
     LEVEL = "gradguard/ladder_level"
+    EVENT = "gradguard/event"  # + /<action name>, /skip, /halt: at that step only, valued the step's loss
+
+    @staticmethod
+    def layer(family: str, layer: str) -> str:
+        """A per-layer metric name: ``M.layer(M.GRAD_NORM_LAYER, "h.0.attn")`` -> ``gradguard/grad_norm/h_0_attn``
+        (dots become underscores: W&B and TensorBoard group on slashes, and dots break W&B globs)."""
+        return f"{family}/{layer.replace('.', '_')}"
 
 
 def _clean(v: Any) -> Any:
@@ -227,11 +235,14 @@ def _event_text(event: dict[str, Any]) -> str:
 class TensorBoardSink(Sink):
     """Metrics as TensorBoard scalars; actions and halts as text under ``gradguard/events``.
 
-    The cumulative per-action counts are already scalars (``gradguard/action/<name>``)."""
+    The cumulative per-action counts are already scalars (``gradguard/action/<name>``). Once per
+    run the sink writes the "training stability" custom-scalars layout
+    (:func:`gradguard.dashboards.tensorboard_layout`, the CUSTOM SCALARS tab); ``layout=False``
+    leaves the writer's layout alone."""
 
     TEXT_TAG = "gradguard/events"
 
-    def __init__(self, log_dir: str, flush_secs: int = 10) -> None:
+    def __init__(self, log_dir: str, flush_secs: int = 10, layout: bool = True) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
@@ -239,6 +250,10 @@ class TensorBoardSink(Sink):
                               "Fix: pip install 'gradguard[tensorboard]'") from exc
         self.log_dir = log_dir
         self._writer: Any = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
+        if layout:
+            from .dashboards import tensorboard_layout
+
+            self._writer.add_custom_scalars(tensorboard_layout())
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if self._writer is None:
