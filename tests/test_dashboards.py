@@ -4,6 +4,7 @@ TensorBoard custom-scalars layout, both checked against the metric constants and
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -124,3 +125,17 @@ def test_the_dashboards_match_a_real_runs_keys_in_wandb_and_tensorboard(wandb_of
         for title, tags in charts.items():
             if title != "loss scale and overflows":
                 assert any(re.search(t, s) for t in tags for s in scalars), (title, tags)
+
+
+def test_the_committed_dashboard_files_are_up_to_date():
+    """dashboards/tensorboard/layout.json and dashboards/wandb/ are generated (dashboards/screenshots.py)."""
+    from dataclasses import asdict
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(f"{root}/dashboards/tensorboard/layout.json", encoding="utf-8") as fh:
+        assert json.load(fh) == tensorboard_layout()
+    with open(f"{root}/dashboards/wandb/workspace.json", encoding="utf-8") as fh:
+        assert json.load(fh)["panels"] == [asdict(p) for p in panels()]
+    with open(f"{root}/dashboards/wandb/panels.md", encoding="utf-8") as fh:
+        table = fh.read()
+    assert all(p.title in table for p in panels())
