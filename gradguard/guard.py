@@ -679,6 +679,7 @@ class GuardCore:
             "actions_tried": dict(self.action_counts), "skipped_steps": self.skipped_steps,
             "lr_multiplier": self.lr.global_mult, "max_grad_norm": self.clip.max_norm,
             "recent_findings": list(self.recent_findings)[-10:],
+            "advice": self.summary()["advice"],
         }
 
     def summary(self) -> dict[str, Any]:

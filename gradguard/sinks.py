@@ -216,6 +216,10 @@ class ConsoleSink(Sink):
         acts = ", ".join(f"{k} x{v}" for k, v in summary.get("actions", {}).items()) or "none"
         print(f"{self.prefix} summary: {summary.get('steps', 0)} steps, {summary.get('skipped', 0)} skipped, "
               f"{summary.get('findings', 0)} findings, actions: {acts}", file=self.stream, flush=True)
+        advice = summary.get("advice") or {}
+        if advice.get("settings"):  # only when the guard had to change something
+            for line in advice.get("lines", []):
+                print(f"{self.prefix} next run: {line}", file=self.stream, flush=True)
 
 
 def _fmt(v: Any) -> str:

@@ -57,3 +57,23 @@ def test_every_record_of_every_engine_validates(tmp_path, engine):
     spikes = [f for f in findings.values() if f["kind"] == "loss_spike"]
     assert spikes and all(f["moved_layers"] for f in spikes)
     assert set().union(*(f["moved_layers"] for f in spikes)) <= set(start["layers"])
+
+
+def test_a_halt_validates_and_its_diagnosis_carries_the_advice(tmp_path):
+    c = cfg(tmp_path, policy={"ladder": [["lower_lr", "tighten_clip"], ["halt"]], "cooldown": 1},
+            recovery={"snapshot_interval": 0},
+            output={"halt_raises": False})
+    with pytest.warns(Warning, match="gradguard halted"):
+        rec = RUNNERS["plain"](tmp_path, c, steps=14, faults={6: 50.0, 7: 50.0, 8: 50.0, 9: 50.0, 10: 50.0})
+    with open(rec.core.log_path, encoding="utf-8") as fh:
+        records = [json.loads(line) for line in fh]
+    validator = jsonschema.Draft202012Validator(event_schema())
+    for r in records:
+        assert not list(validator.iter_errors(r)), r
+    (halt,) = [r for r in records if r["type"] == "halt"]
+    findings = {r["id"]: r for r in records if r["type"] == "finding"}
+    assert halt["finding_ids"] and all(findings[i]["step"] == halt["step"] for i in halt["finding_ids"])
+    with open(rec.core.diagnosis_path, encoding="utf-8") as fh:
+        diag = json.load(fh)
+    assert diag["advice"]["settings"]["lr_factor"] < 1
+    assert any("halted" in line for line in diag["advice"]["lines"])
