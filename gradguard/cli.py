@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             print(write_report(args.run_dir, args.output))
-        except ConfigError as exc:
+        except (ConfigError, ImportError) as exc:
             parser.exit(2, f"{exc}\n")
         return 0
     if args.command == "dashboard":

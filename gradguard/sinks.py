@@ -67,12 +67,6 @@ class M:
     LEVEL = "gradguard/ladder_level"
     EVENT = "gradguard/event"  # + /<action name>, /skip, /halt: at that step only, valued the step's loss
 
-    @staticmethod
-    def layer(family: str, layer: str) -> str:
-        """A per-layer metric name: ``M.layer(M.GRAD_NORM_LAYER, "h.0.attn")`` -> ``gradguard/grad_norm/h_0_attn``
-        (dots become underscores: W&B and TensorBoard group on slashes, and dots break W&B globs)."""
-        return f"{family}/{layer.replace('.', '_')}"
-
 
 def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
