@@ -58,11 +58,37 @@ def train(out: str, steps: int) -> str:
     return r["guard"]["log"]
 
 
+def write_wandb_files() -> None:
+    """dashboards/wandb/workspace.json (the --dry-run spec) and panels.md (its panel list)."""
+    from gradguard.dashboards import panels, wandb_workspace_spec
+
+    wdir = os.path.join(ROOT, "dashboards", "wandb")
+    os.makedirs(wdir, exist_ok=True)
+    spec = wandb_workspace_spec()
+    # panel ids are random per build: left out so that the committed file changes only with the panels
+    for section in spec["view"]["spec"]["section"]["panelBankConfig"]["sections"]:
+        for panel in section.get("panels", []):
+            panel.pop("__id__", None)
+    with open(os.path.join(wdir, "workspace.json"), "w", encoding="utf-8") as fh:
+        json.dump(spec, fh, indent=1)
+        fh.write("\n")
+    rows = ["| section | panel | metrics | y axis |", "|---|---|---|---|"]
+    for pn in panels():
+        what = f"regex `{pn.regex}`" if pn.regex else ", ".join(f"`{n}`" for n in pn.y)
+        rows.append(f"| {pn.section} | {pn.title} | {what} | {'log' if pn.log_y else 'linear'} |")
+    with open(os.path.join(wdir, "panels.md"), "w", encoding="utf-8") as fh:
+        fh.write("\n".join(rows) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--wandb-only", action="store_true", help="only rewrite dashboards/wandb/ (no run)")
     args = p.parse_args()
+    if args.wandb_only:
+        write_wandb_files()
+        return 0
     out = args.out or tempfile.mkdtemp(prefix="gg-shots-")
     docs = os.path.join(ROOT, "docs")
     os.makedirs(docs, exist_ok=True)
@@ -89,21 +115,7 @@ def main() -> int:
     finally:
         tb.terminate()
         tb.wait(timeout=30)
-    from gradguard.dashboards import panels, wandb_workspace_spec
-
-    wdir = os.path.join(ROOT, "dashboards", "wandb")
-    os.makedirs(wdir, exist_ok=True)
-    spec = wandb_workspace_spec()
-    spec["view"] = {k: v for k, v in spec["view"].items() if k not in ("id", "name")}
-    with open(os.path.join(wdir, "workspace.json"), "w", encoding="utf-8") as fh:
-        json.dump(spec, fh, indent=1)
-        fh.write("\n")
-    rows = ["| section | panel | metrics | y axis |", "|---|---|---|---|"]
-    for pn in panels():
-        what = f"regex `{pn.regex}`" if pn.regex else ", ".join(f"`{n}`" for n in pn.y)
-        rows.append(f"| {pn.section} | {pn.title} | {what} | {'log' if pn.log_y else 'linear'} |")
-    with open(os.path.join(wdir, "panels.md"), "w", encoding="utf-8") as fh:
-        fh.write("\n".join(rows) + "\n")
+    write_wandb_files()
     print(f"run: {out}\nreport: {report}\nwritten: docs/report.png, docs/tensorboard.png, dashboards/wandb/")
     return 0
 
