@@ -44,13 +44,13 @@ def chromium(url: str, png: str, size: str, profile: str, block_network: bool, b
     subprocess.run([exe, *flags, url], check=True, capture_output=True, timeout=180)
 
 
-def train(out: str, steps: int) -> str:
+def train(out: str, steps: int, threads: int) -> str:
     import torch
 
     from gradguard import GuardConfig, TensorBoardSink
     from gradguard.demo import DemoSetting, train_run
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     cfg = GuardConfig.preset("default", output={"dir": out, "console": False, "metrics_interval": 1},
                              measure={"log_interval": 10})
     r = train_run(DemoSetting(steps=steps), guard_config=cfg, out_dir=out,
@@ -84,7 +84,9 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a busy machine)")
     p.add_argument("--wandb-only", action="store_true", help="only rewrite dashboards/wandb/ (no run)")
+    p.add_argument("--reuse", action="store_true", help="reuse the run already in --out (no training)")
     args = p.parse_args()
     if args.wandb_only:
         write_wandb_files()
@@ -92,7 +94,12 @@ def main() -> int:
     out = args.out or tempfile.mkdtemp(prefix="gg-shots-")
     docs = os.path.join(ROOT, "docs")
     os.makedirs(docs, exist_ok=True)
-    log = train(out, args.steps)
+    if args.reuse:
+        from gradguard.report import find_log
+
+        log = find_log(out)
+    else:
+        log = train(out, args.steps, args.threads)
     from gradguard.report import write_report
 
     report = write_report(log, os.path.join(out, "report.html"))

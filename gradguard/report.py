@@ -252,7 +252,7 @@ def _heatmap_figure(run: _Run) -> Any:
 def _timelines_figure(run: _Run) -> Any:
     go, make_subplots = _plotly()
     fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.05,
-                        subplot_titles=("total grad norm vs clip threshold (log)", "applied LR and multiplier",
+                        subplot_titles=("total grad norm vs clip threshold (log)", "applied vs scheduled LR, multiplier (log)",
                                         "loss scale (fp16)", "ladder level and skipped steps"))
 
     def line(key: str, row: int, name: str, dash: str | None = None, secondary: bool = False) -> None:
@@ -265,14 +265,17 @@ def _timelines_figure(run: _Run) -> Any:
     line(M.MAX_NORM, 1, "max_grad_norm", dash="dash")
     fig.update_yaxes(type="log", row=1, col=1)
     for key in run.prefixed(M.LR):
-        line(key, 2, key.rsplit("/", 1)[-1] + " LR")
+        line(key, 2, key.rsplit("/", 1)[-1] + " LR (applied)")
+    for key in run.prefixed(M.LR_SCHEDULED):
+        line(key, 2, key.rsplit("/", 1)[-1] + " LR (scheduled)", dash="dash")
     line(M.LR_MULT, 2, "LR multiplier", dash="dot")
     fig.update_yaxes(type="log", row=2, col=1)
     line(M.SCALE, 3, "loss scale")
     line(M.OVERFLOW, 3, "overflow", dash="dot")
     if not run.series(M.SCALE)[0]:
+        lo, hi = fig.layout.yaxis3.domain  # paper coordinates: plotly.js draws no axes for an empty subplot
         fig.add_annotation(text="no loss scale logged (no fp16 GradScaler in this run)", showarrow=False,
-                           xref="x3 domain", yref="y3 domain", x=0.5, y=0.5)
+                           xref="paper", yref="paper", x=0.5, y=(lo + hi) / 2)
     line(M.LEVEL, 4, "ladder level")
     line(M.SKIPPED, 4, "skipped steps", dash="dot")
     fig.update_layout(height=900, margin={"l": 60, "r": 20, "t": 50, "b": 40})
@@ -286,11 +289,8 @@ def _table(run: _Run) -> str:
     rows = []
     for a in run.actions + run.halts:
         ids = a.get("finding_ids") or []
-        causes = "<br>".join(html.escape(f"#{i} {by_id[i].get('kind')} ({by_id[i].get('severity')}): "
-                                         f"{by_id[i].get('message', '')}"
-                                         + (f" [layers: {', '.join(by_id[i].get('layers') or by_id[i].get('moved_layers') or [])}]"
-                                            if (by_id[i].get('layers') or by_id[i].get('moved_layers')) else ""))
-                             for i in ids if i in by_id) or html.escape(a.get("reason", "") or "")
+        causes = "<br>".join(html.escape(_finding_text(by_id[i])) for i in ids if i in by_id)
+        causes = causes or html.escape(a.get("reason", "") or "")
         name = a.get("name", "HALT" if a.get("type") == "halt" else "?")
         params = json.dumps(a.get("params", {}), default=str) if a.get("type") == "action" else a.get("message", "")
         rows.append(f"<tr><td>{a.get('step')}</td><td>{causes}</td><td><b>{html.escape(name)}</b></td>"
@@ -299,6 +299,15 @@ def _table(run: _Run) -> str:
         return "<p>No actions.</p>"
     return ("<table class='gg'><thead><tr><th>step</th><th>findings</th><th>action</th><th>parameters</th></tr>"
             "</thead><tbody>" + "".join(rows) + "</tbody></table>")
+
+
+def _finding_text(f: dict[str, Any]) -> str:
+    text = f"#{f.get('id')} {f.get('kind')} ({f.get('severity')}): {f.get('message', '')}"
+    if f.get("layers"):
+        text += f" [layers: {', '.join(f['layers'])}]"
+    elif f.get("moved_layers"):
+        text += f" [grad norm moved most: {', '.join(f['moved_layers'])}]"
+    return text
 
 
 _CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222}
