@@ -125,8 +125,6 @@ def main(out: str | None = None, steps: int | None = None, seed: int = 0, quiet:
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1, default=str)
     say(f"event log: {runs['guarded']['guard']['log']}\nsummary: {os.path.join(out, 'summary.json')}")
-    for line in (runs["guarded"]["guard"].get("advice") or {}).get("lines", []):
-        say(f"advice for the next run: {line}")
     report = _write_report(runs["guarded"]["guard"]["log"], say)
     runs["guarded"]["report"] = report
     if report:
