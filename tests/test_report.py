@@ -138,3 +138,21 @@ def test_cli_dashboard_needs_entity_and_project_unless_dry_run(capsys):
     assert cli_main(["dashboard", "wandb", "--dry-run", "--prefix", "train/"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["panels"][0]["y"][0] == "train/gradguard/loss"
+
+
+def test_the_console_summary_prints_the_advice_only_when_there_is_some():
+    import io
+
+    from gradguard.sinks import ConsoleSink
+
+    advice = advise(actions=[{"name": "lower_lr", "step": 3, "params": {"to": 0.03}}],
+                    summary={"steps": 200, "lr_multiplier": 0.03, "max_grad_norm": 1.0},
+                    optimizer={"groups": [{"lr": 0.1}]})
+    out = io.StringIO()
+    ConsoleSink(stream=out).close({"steps": 200, "actions": {"lower_lr": 1}, "advice": advice})
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("[gradguard] summary:")
+    assert lines[1] == "[gradguard] next run: " + advice["lines"][0] and "0.1 -> 0.003" in lines[1]
+    quiet = io.StringIO()
+    ConsoleSink(stream=quiet).close({"steps": 5, "advice": advise(actions=[], summary={"steps": 5})})
+    assert len(quiet.getvalue().splitlines()) == 1
