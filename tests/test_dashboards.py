@@ -113,6 +113,8 @@ def test_the_dashboards_match_a_real_runs_keys_in_wandb_and_tensorboard(wandb_of
     keys = {k for row in history for k in row if k.startswith("gradguard/") and not k.startswith(table)} | {
         k for k in wsummary if k.startswith("gradguard/") and not k.startswith(("gradguard/summary/", table))}
     assert {f"{M.EVENT}/skip", f"{M.EVENT}/rollback", f"{M.EVENT}/lower_lr"} <= keys
+    # the advice for the next run reaches the W&B summary
+    assert wsummary["gradguard/summary/advice/settings/lr_factor"] == summary["advice"]["settings"]["lr_factor"]
     assert all(known(k) for k in keys), sorted(k for k in keys if not known(k))
     _check_against(keys, panels())
     # event points sit on the loss curve: the value is the step's loss (the last finite one for a NaN step)
