@@ -234,3 +234,16 @@ def check_features(engine: str, trainer: Any = None) -> dict[str, str]:
                   f"gradguard: {why} ({', '.join(f'{k} {x}' for k, x in v.items())}): '{action}' is disabled "
                   "for this run. Fix: install a supported version (see the README's version table)")
     return missing
+
+
+# -- wandb-workspaces: the view a Workspace saves, as JSON, and back (no server involved) --------------
+def wandb_view_dump(workspace: Any) -> dict[str, Any]:
+    """The view spec ``Workspace.save()`` uploads (``Workspace._to_model()``), as JSON data."""
+    return workspace._to_model().model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def wandb_workspace_load(view: dict[str, Any]) -> Any:
+    """A ``Workspace`` rebuilt from a view spec (``internal.View`` + ``Workspace._from_model``)."""
+    from wandb_workspaces.workspaces import Workspace, internal
+
+    return Workspace._from_model(internal.View.model_validate(view))

@@ -25,6 +25,7 @@ from torch import nn
 
 from ._compat import scaler_found_inf, scaler_scale, set_scaler_scale
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
+from .advice import advise
 from .config import GuardConfig
 from .contract import CheckpointSource, Collective
 from .contract import collective as default_collective
@@ -34,7 +35,7 @@ from .measure import GradMeasurer, LayerMap, metric_key, norm_layers
 from .oom import OomRecovery, PieceFailed
 from .policy import Action, Policy
 from .recovery import CheckpointTier, rollback_from_checkpoints, step_verdict
-from .sinks import ConsoleSink, JSONLSink, M, Sink, _clean
+from .sinks import EVENT_SCHEMA_VERSION, ConsoleSink, JSONLSink, M, Sink, _clean, package_versions
 from .snapshot import SnapshotRing, SnapshotUnavailable
 from .state import model_signature
 
@@ -73,6 +74,24 @@ class StepReport:
 def _scaler_state(scaler: Any, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(scale tensor, found_inf tensor) of an enabled GradScaler after unscale_, without a sync."""
     return scaler_scale(scaler), scaler_found_inf(scaler, optimizer)
+
+
+def optimizer_info(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's class and each group's base LR (``initial_lr`` where a scheduler set one),
+    betas, eps and weight decay: the settings the advice for the next run starts from."""
+    groups = []
+    for g in getattr(optimizer, "param_groups", []):
+        entry: dict[str, Any] = {}
+        values = {"lr": g.get("initial_lr", g.get("lr")), "eps": g.get("eps"),
+                  "weight_decay": g.get("weight_decay"), "momentum": g.get("momentum")}
+        for key, v in values.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                entry[key] = float(v)
+        betas = g.get("betas")
+        if isinstance(betas, (tuple, list)) and all(isinstance(b, (int, float)) for b in betas):
+            entry["betas"] = [float(b) for b in betas]
+        groups.append(entry)
+    return {"class": type(optimizer).__name__, "groups": groups}
 
 
 def event_log_dir(out_dir: str) -> str:
@@ -175,8 +194,13 @@ class GuardCore:
                 sink.on_error = self._emit
         if self.snapshots is not None:
             self.snapshots.on_event = self._emit  # I/O errors and invalidations become events
-        self._emit({"type": "start", "step": 0, "layers": list(self.layers.layer_names),
-                    "config": config.to_dict()})
+        self._cause_ids: list[int] = []  # ids of the findings that the step's actions answer
+        self._optimizer_at_start = optimizer_info(self.optimizer)
+        self._last_finite_loss = float("nan")
+        self._action_log: deque[dict[str, Any]] = deque(maxlen=10_000)  # for the advice at close
+        self._emit({"type": "start", "step": 0, "schema_version": EVENT_SCHEMA_VERSION,
+                    "versions": package_versions(), "layers": list(self.layers.layer_names),
+                    "optimizer": self._optimizer_at_start, "config": config.to_dict()})
 
     # -- validation ------------------------------------------------------------------------
     def _check_optimizer_covers_model(self) -> None:
@@ -234,10 +258,12 @@ class GuardCore:
                 grads, _ = self.measurer.grads()
                 report.clipped = self.clip.apply(grads, meas.total_norm, clip_to)
             self.clip.observe(meas.total_norm, clip_to)
+        self._cause_ids = []
         for f in findings:
             self.n_findings += 1
             self.culprits.update(f.layers)
-            fd = {"type": "finding", **f.to_dict()}
+            fd = {"type": "finding", "id": self.n_findings, **f.to_dict()}
+            self._cause_ids.append(self.n_findings)
             self.recent_findings.append(fd)
             self._emit(fd)
         # a quiet stall in progress: weights saved now already carry it, so they are not confirmed
@@ -276,6 +302,7 @@ class GuardCore:
                 if "to_step" in a.params:
                     self.policy.last_escalation = None  # restored weights: no cooldown
                     self._verified = True
+        step_ids, self._cause_ids = self._cause_ids, []  # later actions (relaxations, growth) answer none
         if decision.unstable:
             self.lr.mark_unstable(self._failed_mult)
             self.clip.reset_healthy()
@@ -290,6 +317,8 @@ class GuardCore:
             report.healthy = not suspect
         if decision.skip:
             self.skipped_steps += 1
+            self._emit({"type": "skip", "step": step, "reason": report.skip_reason or "skipped",
+                        "finding_ids": step_ids})
             if drop_on_skip:
                 drop_grads(self.layers.params)
             report.clipped = False
@@ -301,7 +330,7 @@ class GuardCore:
             report.diagnosis = self.diagnosis(report, next((a.reason for a in decision.actions
                                                             if a.name == "halt"), "policy halt"))
             self._emit({"type": "halt", "step": step, "message": report.diagnosis["reason"],
-                        "diagnosis": report.diagnosis})
+                        "finding_ids": step_ids, "diagnosis": report.diagnosis})
             self.write_diagnosis(report.diagnosis)
         report.lr_multiplier = self.lr.current()
         if report.applied and step % cfg.measure.log_interval == 0:
@@ -327,6 +356,8 @@ class GuardCore:
         (e.g. an engine that cannot skip a batch before computing it)."""
         self.step_count += 1
         self.skipped_steps += 1
+        self._emit({"type": "skip", "step": self.step_count, "reason": "batch discarded by the engine",
+                    "finding_ids": []})
 
     def after_step(self, report: StepReport) -> None:
         """Call after the optimizer stepped (or not): counters, log-interval metrics."""
@@ -591,7 +622,9 @@ class GuardCore:
 
     def _record(self, a: Action) -> Action:
         self.action_counts[a.name] += 1
-        self._emit({"type": "action", **a.to_dict()})
+        event = {"type": "action", **a.to_dict(), "finding_ids": list(self._cause_ids)}
+        self._action_log.append(event)
+        self._emit(event)
         return a
 
     # -- reporting -------------------------------------------------------------------------
@@ -615,6 +648,16 @@ class GuardCore:
             m[f"{M.GRAD_NORM_LAYER}/{metric_key(name)}"] = v
         for i, g in enumerate(self.optimizer.param_groups):
             m[f"{M.LR}/group{i}"] = float(g["lr"]) * self.lr.current()
+            m[f"{M.LR_SCHEDULED}/group{i}"] = float(g["lr"])
+        if report.loss is not None and math.isfinite(report.loss):
+            self._last_finite_loss = report.loss
+        events = [a.name for a in report.actions]
+        if report.skipped and not report.halt and "rollback" not in events:
+            events.append("skip")
+        if report.halt:
+            events.append("halt")
+        for name in events:  # points a line plot overlays on the loss
+            m[f"{M.EVENT}/{name}"] = self._last_finite_loss
         for name, c in self.action_counts.items():
             m[f"{M.ACTION}/{name}"] = float(c)
         if self._before_params is not None:
@@ -637,13 +680,17 @@ class GuardCore:
             "actions_tried": dict(self.action_counts), "skipped_steps": self.skipped_steps,
             "lr_multiplier": self.lr.global_mult, "max_grad_norm": self.clip.max_norm,
             "recent_findings": list(self.recent_findings)[-10:],
+            "advice": self.summary()["advice"],
         }
 
     def summary(self) -> dict[str, Any]:
-        return {"steps": self.step_count, "applied": self.applied_steps, "skipped": self.skipped_steps,
-                "findings": self.n_findings, "actions": dict(self.action_counts),
-                "lr_multiplier": self.lr.global_mult, "max_grad_norm": self.clip.max_norm,
-                "log": self.log_path}
+        out = {"steps": self.step_count, "applied": self.applied_steps, "skipped": self.skipped_steps,
+               "findings": self.n_findings, "actions": dict(self.action_counts),
+               "lr_multiplier": self.lr.global_mult, "max_grad_norm": self.clip.max_norm,
+               "log": self.log_path}
+        out["advice"] = advise(actions=list(self._action_log), summary=out, config=self.config.to_dict(),
+                               optimizer=self._optimizer_at_start)
+        return out
 
     def close(self) -> dict[str, Any]:
         """Write the summary, close the sinks and take the LR hooks off the optimizer (idempotent)."""
