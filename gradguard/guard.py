@@ -218,6 +218,7 @@ class GuardCore:
         loss_v = self._take_loss(loss)
         scale_t, found_t = _scaler_state(scaler, self.optimizer)
         meas = self.measurer.measure([loss_v, scale_t, found_t], reduce=self.reduce, engine=engine_clip)
+        grads, self.measurer.last_grads = self.measurer.last_grads, []  # never held past this step
         loss_f, scale_f, found_f = meas.extras
         scale = None if scale_t is None else scale_f
         overflow = bool(found_t is not None and found_f > 0)
@@ -236,8 +237,7 @@ class GuardCore:
         if cfg.policy.act:
             clip_to = self.clip.threshold(meas.total_norm)
             report.clip_to = clip_to
-            if not decision.skip:
-                grads, _ = self.measurer.grads()
+            if not decision.skip:  # the gradients just measured (nothing ran in between)
                 report.clipped = self.clip.apply(grads, meas.total_norm, clip_to)
             self.clip.observe(meas.total_norm, clip_to)
         for f in findings:

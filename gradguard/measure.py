@@ -200,9 +200,12 @@ def _norm_dtype(dtype: torch.dtype, native: bool) -> torch.dtype | None:
     return torch.float32
 
 
-def _norms(tensors: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """L2 norm of each tensor (one fused kernel where ``clip_grad_norm_`` uses one)."""
-    if tensors and has_foreach_support(tensors, tensors[0].device):
+def _norms(tensors: list[torch.Tensor], dtype: torch.dtype | None, foreach: bool | None = None) -> list[torch.Tensor]:
+    """L2 norm of each tensor (one fused kernel where ``clip_grad_norm_`` uses one; ``foreach``: that
+    answer, already known)."""
+    if foreach is None:
+        foreach = bool(tensors) and has_foreach_support(tensors, tensors[0].device)
+    if foreach:
         try:
             return list(torch._foreach_norm(tensors, 2, dtype=dtype))
         except Exception:  # noqa: BLE001 - an old or partial kernel: one norm per tensor below
@@ -228,7 +231,8 @@ def accumulation_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
 
 
 def fused_layer_sq_norms(grads: list[torch.Tensor], groups: list[list[int]], index: torch.Tensor,
-                         out: torch.Tensor, *, native: bool = False) -> list[torch.Tensor | None]:
+                         out: torch.Tensor, *, native: bool = False,
+                         foreach: list[bool] | None = None) -> list[torch.Tensor | None]:
     """The step's one pass over the gradients: per-tensor L2 norms (one fused kernel per (device,
     dtype) group of ``groups``), squared and summed per layer into ``out`` (``out[l]`` = sum of the
     squared norms of the gradients whose ``index`` entry is ``l``; ``index`` follows the
@@ -236,13 +240,14 @@ def fused_layer_sq_norms(grads: list[torch.Tensor], groups: list[list[int]], ind
 
     Norms are computed in each gradient's own dtype for float32/float64 and in float32 for 16-bit
     gradients, unless ``native``: then in their own dtype too, exactly as ``clip_grad_norm_``
-    computes them (so that the engine's total can be derived from them). Returns the per-tensor
-    norms in the order of ``grads``."""
+    computes them (so that the engine's total can be derived from them). ``foreach``: per group,
+    whether the fused kernel applies (computed when not given). Returns the per-tensor norms in the
+    order of ``grads``."""
     per_tensor: list[torch.Tensor | None] = [None] * len(grads)
     parts = []
-    for positions in groups:
+    for k, positions in enumerate(groups):
         ts = grads if len(positions) == len(grads) else [grads[i] for i in positions]
-        norms = _norms(ts, _norm_dtype(ts[0].dtype, native))
+        norms = _norms(ts, _norm_dtype(ts[0].dtype, native), None if foreach is None else foreach[k])
         for i, n in zip(positions, norms):
             per_tensor[i] = n
         stacked = torch.stack([n.to(norms[0].device) for n in norms]) if len(groups) > 1 else torch.stack(norms)
@@ -258,10 +263,11 @@ class _Plan:
     """How one set of gradients is measured: (device, dtype) groups, the layer of each norm (in the
     groups' order) on the device, the dtype of the per-layer sums."""
 
-    __slots__ = ("groups", "index", "device", "dtype")
+    __slots__ = ("groups", "index", "device", "dtype", "foreach")
 
     def __init__(self, grads: list[torch.Tensor], owners: list[int]) -> None:
         self.groups = _groups(grads)
+        self.foreach = [has_foreach_support([grads[i] for i in g], grads[g[0]].device) for g in self.groups]
         self.device = grads[0].device
         self.dtype = accumulation_dtype(grads)
         order = [owners[i] for g in self.groups for i in g]
@@ -281,6 +287,7 @@ class GradMeasurer:
         self._buf: torch.Tensor | None = None  # [layer sums | extras | engine total, coef]
         self._host: torch.Tensor | None = None  # pinned mirror of _buf (CUDA)
         self._event: Any = None
+        self.last_grads: list[torch.Tensor] = []  # the gradients of the last measure(): the caller clears it
         self._engine_total: torch.Tensor | None = None  # the last EngineClip's total norm (device)
         self._engine: EngineClip | None = None
         self.transfers = 0  # host-device transfers made by measure(): one per call
@@ -344,6 +351,7 @@ class GradMeasurer:
         norm pass is taken over (see :class:`EngineClip`)."""
         self.layers.sync()  # parameters unfrozen or added to the optimizer since the last step
         grads, owners = self.grads()
+        self.last_grads = grads
         n_layers = len(self.layers)
         extra_list = list(extras)
         n_extra = len(extra_list)
@@ -357,7 +365,7 @@ class GradMeasurer:
         if plan is not None:
             try:
                 per_tensor = fused_layer_sq_norms(grads, plan.groups, plan.index, buf[:n_layers],
-                                                  native=engine is not None)
+                                                  native=engine is not None, foreach=plan.foreach)
             except RuntimeError:  # a gradient changed dtype or device under a cached plan
                 self._plans.clear()
                 plan = self._plan(grads, owners)
