@@ -317,6 +317,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             control.should_save = True
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._decided = False  # a step interrupted earlier (an exception) never leaves its decision behind
         if self.runner is not None:
             self.runner.micro_in_step = 0
 
