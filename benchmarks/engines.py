@@ -224,7 +224,12 @@ def run_plain(variant: str, size: str, steps: int, warm: int, device: str, out_d
     guard = gg.Guard(model, opt, config=_guard_cfg(variant, out_dir)) if variant in ("monitor", "default") else None
     data = Windows(s["seq"], steps * s["batch"])
     loader = torch.utils.data.DataLoader(data, batch_size=s["batch"])
-    it = iter(loader)
+
+    def batches() -> Any:
+        while True:  # epochs until the last step (the corpus may be shorter than steps x batch)
+            yield from loader
+
+    it = batches()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     for step in range(1, steps + 1):
         clock.begin(step)
