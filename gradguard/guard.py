@@ -31,7 +31,7 @@ from .contract import CheckpointSource, Collective
 from .contract import collective as default_collective
 from .detect import NORM_TAKEOVER, Detectors, Finding, Signals
 from .errors import ConfigError, GradGuardHalt, UnsupportedSetupError, is_rank0, warn
-from .measure import GradMeasurer, LayerMap, metric_key, norm_layers
+from .measure import EngineClip, GradMeasurer, LayerMap, metric_key, norm_layers
 from .oom import OomRecovery, PieceFailed
 from .policy import Action, Policy
 from .recovery import CheckpointTier, rollback_from_checkpoints, step_verdict
@@ -65,6 +65,10 @@ class StepReport:
     diagnosis: dict[str, Any] | None = None
     healthy: bool = False
     blamed_on_data: bool = False
+    engine_norm: float | None = None
+    """The engine's own total gradient norm (its log value) when ``before_step`` took the engine's
+    norm pass over (``engine_clip``); else None."""
+    engine_coef: float | None = None
 
     @property
     def skipped(self) -> bool:
@@ -225,18 +229,21 @@ class GuardCore:
         return loss
 
     def before_step(self, loss: torch.Tensor | float | None = None, *, scaler: Any = None,
-                    drop_on_skip: bool = False) -> StepReport:
+                    drop_on_skip: bool = False, engine_clip: EngineClip | None = None) -> StepReport:
         """Call once per optimizer step, gradients final and unscaled. Measures (one sync),
         detects, decides; clips in place unless the step is to be skipped. With
         ``drop_on_skip`` a skipped step also sets every grad to None (for engines that will call
-        ``optimizer.step()`` anyway)."""
+        ``optimizer.step()`` anyway). With ``engine_clip`` (a guard that does not clip, in an engine
+        that does) the same pass also yields the engine's own total norm, and
+        :meth:`replay_engine_clip` then applies the engine's clip without a second pass."""
         cfg = self.config
         step = self.step_count + 1
         if self.snapshots is not None and not (self.snapshots.ring or self.snapshots.candidates):
             self.take_snapshot(self.step_count)  # the initial (or resumed) weights, before any update
         loss_v = self._take_loss(loss)
         scale_t, found_t = _scaler_state(scaler, self.optimizer)
-        meas = self.measurer.measure([loss_v, scale_t, found_t], reduce=self.reduce)
+        meas = self.measurer.measure([loss_v, scale_t, found_t], reduce=self.reduce, engine=engine_clip)
+        grads, self.measurer.last_grads = self.measurer.last_grads, []  # never held past this step
         loss_f, scale_f, found_f = meas.extras
         scale = None if scale_t is None else scale_f
         overflow = bool(found_t is not None and found_f > 0)
@@ -250,12 +257,12 @@ class GuardCore:
         report = StepReport(step=step, applied=not decision.skip, skip_reason=decision.skip_reason,
                             loss=sig.loss, total_norm=meas.total_norm, layer_norms=layer_norms,
                             scale=scale, overflow=overflow, findings=findings,
-                            blamed_on_data=decision.data_verdict)
+                            blamed_on_data=decision.data_verdict, engine_norm=meas.engine_norm,
+                            engine_coef=meas.engine_coef)
         if cfg.policy.act:
             clip_to = self.clip.threshold(meas.total_norm)
             report.clip_to = clip_to
-            if not decision.skip:
-                grads, _ = self.measurer.grads()
+            if not decision.skip:  # the gradients just measured (nothing ran in between)
                 report.clipped = self.clip.apply(grads, meas.total_norm, clip_to)
             self.clip.observe(meas.total_norm, clip_to)
         self._cause_ids = []
@@ -337,6 +344,14 @@ class GuardCore:
             self._before_params = [p.detach().clone() for p in self.layers.params]
         self._last = report
         return report
+
+    def replay_engine_clip(self, report: StepReport) -> torch.Tensor | None:
+        """Apply the engine's own clip measured by ``before_step(engine_clip=...)``, bit-identical to
+        ``torch.nn.utils.clip_grad_norm_`` on the same gradients (its total-norm tensor is reused, the
+        scale pass is left out when the coefficient is exactly 1). Returns that total-norm tensor,
+        or None when the engine's pass could not be taken over this step (the caller then runs
+        ``clip_grad_norm_`` itself)."""
+        return self.measurer.replay_clip(report.engine_coef)
 
     @property
     def last_report(self) -> StepReport | None:
