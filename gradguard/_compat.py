@@ -24,7 +24,7 @@ __all__ = [
     "scaler_scale", "scaler_found_inf", "set_scaler_scale", "shadow_method", "unshadow_method",
     "find_caller", "hf_callback_list", "pl_combined_loader", "pl_loader_iterator", "pl_iterator_drawn",
     "pl_restart_sampler_iter", "pl_data_fetcher", "pl_set_epoch_length", "pl_checkpoint_last_saved",
-    "swap_class", "check_features", "versions",
+    "swap_class", "check_features", "versions", "pl_log_step", "pl_should_update_logs",
 ]
 
 _MISSING = object()
@@ -234,3 +234,23 @@ def check_features(engine: str, trainer: Any = None) -> dict[str, str]:
                   f"gradguard: {why} ({', '.join(f'{k} {x}' for k, x in v.items())}): '{action}' is disabled "
                   "for this run. Fix: install a supported version (see the README's version table)")
     return missing
+
+
+# -- Lightning: the logging cadence ---------------------------------------------------------------
+def pl_log_step(trainer: Any) -> int:
+    """The step Lightning logs the current batch's ``self.log`` values at (``_batches_that_stepped``:
+    the optimizer steps before this batch's; it moves after ``on_train_batch_end``)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    value = getattr(loop, "_batches_that_stepped", None)
+    return int(value) if value is not None else max(0, int(trainer.global_step) - 1)
+
+
+def pl_should_update_logs(trainer: Any) -> bool:
+    """Whether Lightning sends this batch's step metrics to its loggers (``log_every_n_steps``,
+    ``_logger_connector.should_update_logs``)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    value = getattr(connector, "should_update_logs", None)
+    if value is None:
+        every = int(getattr(trainer, "log_every_n_steps", 50) or 0)
+        return bool(every) and (pl_log_step(trainer) + 1) % every == 0
+    return bool(value)
