@@ -154,6 +154,7 @@ class GuardCore:
         self._loss_sum: torch.Tensor | float | None = None
         self._loss_n = 0
         self._before_params: list[torch.Tensor] | None = None
+        self._step_lrs: list[float] = []
         self._ratios: dict[str, float] = {}  # the latest update ratios / param norms (kept for engines' log steps)
         #: engine hook: True for a step the engine will log (update ratios are measured for it)
         self.ratio_due: Callable[[int], bool] | None = None
@@ -313,6 +314,8 @@ class GuardCore:
                         "diagnosis": report.diagnosis})
             self.write_diagnosis(report.diagnosis)
         report.lr_multiplier = self.lr.current()
+        # the scheduler's LRs this optimizer step runs with (engines log after the scheduler moved on)
+        self._step_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         if report.applied and (step % cfg.measure.log_interval == 0
                                or (self.ratio_due is not None and self.ratio_due(step))):
             self._before_params = [p.detach().clone() for p in self.layers.params]
@@ -703,7 +706,7 @@ class GuardCore:
             s.log_event(event)
 
     def metrics(self, report: StepReport) -> dict[str, float]:
-        m: dict[str, float] = {M.GRAD_NORM: report.total_norm, M.LR_MULT: self.lr.current(),
+        m: dict[str, float] = {M.GRAD_NORM: report.total_norm, M.LR_MULT: report.lr_multiplier,
                                M.SKIPPED: float(self.skipped_steps), M.FINDINGS: float(self.n_findings),
                                M.LEVEL: float(self.policy.level)}
         if report.loss is not None:
@@ -715,8 +718,9 @@ class GuardCore:
             m[M.OVERFLOW] = float(report.overflow)
         for name, v in report.layer_norms.items():
             m[f"{M.GRAD_NORM_LAYER}/{metric_key(name)}"] = v
-        for i, g in enumerate(self.optimizer.param_groups):
-            m[f"{M.LR}/group{i}"] = float(g["lr"]) * self.lr.current()
+        lrs = self._step_lrs or [float(g["lr"]) for g in self.optimizer.param_groups]
+        for i, lr in enumerate(lrs):  # the LR applied at this step: the scheduler's x the multiplier
+            m[f"{M.LR}/group{i}"] = lr * report.lr_multiplier
         for name, c in self.action_counts.items():
             m[f"{M.ACTION}/{name}"] = float(c)
         if self._before_params is not None:

@@ -20,7 +20,6 @@ import urllib.request
 from collections import Counter
 
 import pytest
-import torch
 
 import gradguard as gg
 from gradguard.sinks import M, is_headline
@@ -78,9 +77,8 @@ def test_hf_wandb_and_tensorboard_show_every_event_at_its_step(wandb_offline, tm
     """Default logging_steps=500 on a 60-step run: no regular log at all, yet every step with a
     finding, skip or action is on the user's W&B run (one run: the README's ``WandbSink()`` is bound
     to it, not doubled) and TensorBoard writer, at ``train/global_step`` == the JSONL step."""
-    from tests.test_hf import cfg, inject, make_trainer
-
     from gradguard.hf import GradGuardCallback
+    from tests.test_hf import cfg, inject, make_trainer
 
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     sink = gg.WandbSink()  # as the README suggests: started before the Trainer, which reuses the run
@@ -139,9 +137,8 @@ def test_hf_logging_steps_carry_layer_values_to_report_to_not_to_the_printed_log
     """On logging steps the run-level keys go through the Trainer's logs (printed, in log_history);
     per-layer grad norms, update ratios and weight norms reach the TensorBoard writer at the same
     step, and the served TensorBoard shows them."""
-    from tests.test_hf import cfg, inject, make_trainer
-
     from gradguard.hf import GradGuardCallback
+    from tests.test_hf import cfg, inject, make_trainer
 
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     cb = GradGuardCallback(cfg(tmp_path))
@@ -150,7 +147,8 @@ def test_hf_logging_steps_carry_layer_values_to_report_to_not_to_the_printed_log
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["step"] for h in logs] == [10, 20]
-    for h in logs:
+    for h in logs:  # the applied LR next to the scheduler's: learning_rate x the multiplier
+        assert h[f"{M.LR}/group0"] == pytest.approx(h["learning_rate"] * h[M.LR_MULT], rel=1e-6)
         gg_keys = [k for k in h if k.startswith("gradguard/")]
         assert M.LOSS in gg_keys and M.GRAD_NORM in gg_keys and f"{M.LR}/group0" in gg_keys
         assert all(is_headline(k) for k in gg_keys) and len(gg_keys) < 15, gg_keys
@@ -211,6 +209,7 @@ def _lit():
 
 def test_lightning_wandb_rows_share_the_users_step_and_events_land_between_logging_steps(wandb_offline, tmp_path):
     tl = _lit()
+    from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import WandbLogger
 
     from gradguard.lightning import GradGuardCallback
@@ -218,7 +217,8 @@ def test_lightning_wandb_rows_share_the_users_step_and_events_land_between_loggi
     module = tl.LitGPT(lr=3e-3, spike_at=(17, 18), spike=300.0)
     cb = GradGuardCallback(tl.cfg(tmp_path, output={"metrics_interval": 10}))
     logger = WandbLogger(project="gradguard-test", save_dir=str(tmp_path), offline=True)
-    tl.fit(module, [cb], tmp_path=tmp_path, steps=30, logger=logger, log_every_n_steps=5)
+    tl.fit(module, [cb, LearningRateMonitor("step")], tmp_path=tmp_path, steps=30, logger=logger,
+           log_every_n_steps=5)
     wandb_offline.finish()
     records = jsonl(cb.core.log_path)
     want = event_steps(records)
@@ -239,6 +239,12 @@ def test_lightning_wandb_rows_share_the_users_step_and_events_land_between_loggi
     # Lightning's x for a batch is the number of optimizer steps before it: the JSONL step - 1
     assert got == {s - 1: names for s, names in want.items()}
     assert any((s - 1) % 5 != 4 for s in want)  # event rows between logging steps
+    # LearningRateMonitor shows the scheduler's LR; the applied one sits next to it on the same x
+    sched = {r[x]: r["lr-AdamW"] for r in run.history if "lr-AdamW" in r}
+    applied = {r[x]: (r[f"{M.LR}/group0"], r[M.LR_MULT]) for r in run.history if r.get(x) in user and M.LR_MULT in r}
+    assert sorted(applied) == sorted(user) and applied[29][1] < 1
+    for step, (lr, mult) in applied.items():
+        assert lr == pytest.approx(sched[step] * mult, rel=1e-6)
     assert [a["level"] for a in run.alerts] == ["WARN"] and "step 18" in run.alerts[0]["text"]
     assert peak(run.summary["gradguard/action/rollback"]) == 1
 
@@ -335,8 +341,15 @@ _PTY_CHILD = textwrap.dedent("""
     import pathlib
     tmp = pathlib.Path({tmp!r})
     cb = GradGuardCallback(cfg(tmp, output={{"console": True}}))
-    tr = make_trainer(tmp, [cb], steps=40, logging_steps=10, disable_tqdm=False)
-    inject(tr, {{8: float("nan"), 20: 300.0, 21: 300.0, 33: float("nan")}})
+    from transformers import TrainerCallback
+    import time
+
+    class Slow(TrainerCallback):  # steps long enough for tqdm to redraw the bar between events
+        def on_step_end(self, *a, **k):
+            time.sleep(0.12)
+
+    tr = make_trainer(tmp, [cb, Slow()], steps=40, logging_steps=10, disable_tqdm=False)
+    inject(tr, {{15: 300.0, 16: 300.0, 27: float("nan")}})
     tr.train()
 """)
 
@@ -368,8 +381,9 @@ def test_console_lines_never_share_a_line_with_the_progress_bar(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     child = tmp_path / "child.py"
     child.write_text(_PTY_CHILD.format(root=root, tmp=str(tmp_path)))
-    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "COLUMNS": "120", "TERM": "xterm"}
-    proc = subprocess.run(["script", "-q", "-e", "-c", f"{sys.executable} {child}", "/dev/null"], env=env,
+    # the pty that script opens has no size here: stty gives it one, else tqdm draws an empty bar
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "TERM": "xterm"}
+    proc = subprocess.run(["script", "-q", "-e", "-c", f"stty cols 120 rows 40; {sys.executable} {child}", "/dev/null"], env=env,
                           capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
     raw = proc.stdout.decode("utf-8", "replace")
     assert proc.returncode == 0, raw[-3000:]
@@ -379,4 +393,6 @@ def test_console_lines_never_share_a_line_with_the_progress_bar(tmp_path):
     bar = re.compile(r"\d+%\||it/s|s/it")
     mixed = [line for line in mine if bar.search(line) or not line.lstrip().startswith("[gradguard]")]
     assert not mixed, mixed[:3]
-    assert max(len(line) for line in lines) < 400  # no 774-character logs line
+    printed = [line for line in lines if "'loss':" in line]
+    assert len(printed) == 4 and all("gradguard/loss" in line for line in printed)
+    assert not [line for line in lines if re.search(r"gradguard/(grad_norm/transformer|update_ratio|param_norm)", line)]
