@@ -20,6 +20,7 @@ import urllib.request
 from collections import Counter
 
 import pytest
+import torch
 
 import gradguard as gg
 from gradguard.sinks import M, is_headline
@@ -396,3 +397,35 @@ def test_console_lines_never_share_a_line_with_the_progress_bar(tmp_path):
     printed = [line for line in lines if "'loss':" in line]
     assert len(printed) == 4 and all("gradguard/loss" in line for line in printed)
     assert not [line for line in lines if re.search(r"gradguard/(grad_norm/transformer|update_ratio|param_norm)", line)]
+
+
+@pytest.mark.filterwarnings("ignore:gradguard halted training")
+def test_plain_loop_halt_alert_is_a_tensorboard_text_entry(tmp_path):
+    """A halt (a skip streak) sends an ERROR alert: in TensorBoard a text entry under
+    ``gradguard/alerts`` at the halting step; the event row marks the halt there too."""
+    from collections import OrderedDict
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(fc1=nn.Linear(8, 16), act=nn.Tanh(), head=nn.Linear(16, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = gg.GuardConfig.preset("default", output={"dir": str(tmp_path), "console": False, "halt_raises": False},
+                                policy={"max_skip_streak": 3})
+    guard = gg.Guard(model, opt, config=cfg, sinks=[gg.TensorBoardSink(str(tmp_path / "tb"))])
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    for i in range(1, 20):
+        loss = nn.functional.mse_loss(model(x), y) * (float("nan") if i >= 6 else 1.0)
+        loss.backward()
+        report = guard.step(loss)
+        opt.zero_grad(set_to_none=True)
+        if report.halt:
+            break
+    assert report.halt
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    (tag,) = [t for t in acc.Tags()["tensors"] if t.startswith(M.ALERTS_TEXT)]
+    texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)]
+    assert texts[-1][0] == report.step and texts[-1][1].startswith("**ERROR** gradguard: training halted")
+    assert [e.step for e in acc.Scalars(f"{M.EVENT}/halt")] == [report.step]
