@@ -221,7 +221,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         trainer = find_caller(Trainer, start=2)
         runner.trainer = trainer
         self._callbacks = list(getattr(getattr(trainer, "callback_handler", None), "callbacks", None) or [])
-        core.ratio_due = lambda step: is_logging_step(args, state, step)
+        core.ratio_due = lambda step: self.layer_metrics and is_logging_step(args, state, step)
         if trainer is not None and may_wrap(cfg):  # monitor mode changes nothing, OOM handling included
             runner.wrap(trainer)
         self._held = SchedulerHold([lr_scheduler])

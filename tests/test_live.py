@@ -356,25 +356,41 @@ _PTY_CHILD = textwrap.dedent("""
 
 
 def _render(raw: str) -> list[str]:
-    """What a terminal shows: each line with carriage returns applied (later text overwrites),
-    ANSI escapes dropped."""
-    raw = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw)
-    out = []
-    for line in raw.replace("\r\n", "\n").split("\n"):
-        cells: list[str] = []
-        pos = 0
-        for part in re.split(r"(\r)", line):
-            if part == "\r":
-                pos = 0
-                continue
-            for ch in part:
-                if pos < len(cells):
-                    cells[pos] = ch
+    """What a terminal shows in the end: a small screen model applying carriage returns, newlines,
+    cursor up/down and line erasure (what tqdm and Rich use); other escapes are dropped."""
+    screen: list[list[str]] = [[]]
+    row = col = 0
+    for tok in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[^\[]|\r|\n|[^\x1b\r\n]+", raw):
+        if tok == "\r":
+            col = 0
+        elif tok == "\n":
+            row += 1
+            col = 0
+            while len(screen) <= row:
+                screen.append([])
+        elif tok.startswith("\x1b["):
+            n = int(re.sub(r"\D", "", tok[2:-1]) or 1) if tok[-1] in "AB" else 0
+            if tok[-1] == "A":
+                row = max(0, row - n)
+            elif tok[-1] == "B":
+                row += n
+                while len(screen) <= row:
+                    screen.append([])
+            elif tok[-1] == "K":
+                if tok[2:-1] == "2":
+                    screen[row] = []
+                elif tok[2:-1] in ("", "0"):
+                    del screen[row][col:]
+        elif not tok.startswith("\x1b"):
+            line = screen[row]
+            for ch in tok:
+                if col < len(line):
+                    line[col] = ch
                 else:
-                    cells.append(ch)
-                pos += 1
-        out.append("".join(cells).rstrip())
-    return out
+                    line.extend(" " * (col - len(line)))
+                    line.append(ch)
+                col += 1
+    return ["".join(line).rstrip() for line in screen]
 
 
 @pytest.mark.skipif(shutil.which("script") is None, reason="util-linux script is not installed")
@@ -429,3 +445,50 @@ def test_plain_loop_halt_alert_is_a_tensorboard_text_entry(tmp_path):
     texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)]
     assert texts[-1][0] == report.step and texts[-1][1].startswith("**ERROR** gradguard: training halted")
     assert [e.step for e in acc.Scalars(f"{M.EVENT}/halt")] == [report.step]
+
+
+_PTY_LIGHTNING = textwrap.dedent("""
+    import sys, time, pathlib
+    sys.path.insert(0, {root!r})
+    import torch
+    torch.set_num_threads(1)
+    import lightning.pytorch as L
+    from tests import test_lightning as tl
+    from gradguard.lightning import GradGuardCallback
+
+    class Slow(L.Callback):  # batches long enough for the bar to redraw between events
+        def on_train_batch_end(self, *a, **k):
+            time.sleep(0.12)
+
+    tmp = pathlib.Path({tmp!r})
+    bar = L.callbacks.RichProgressBar() if {rich!r} else L.callbacks.TQDMProgressBar()
+    cb = GradGuardCallback(tl.cfg(tmp, output={{"console": True}}))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=30, callbacks=[cb, Slow(), bar], logger=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp),
+                        num_sanity_val_steps=0)
+    trainer.fit(tl.LitGPT(lr=3e-3, spike_at=(12, 13), spike=300.0), tl.loader(8, 256))
+""")
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="util-linux script is not installed")
+@pytest.mark.parametrize("bar", ["tqdm", "rich"])
+def test_lightning_console_lines_never_share_a_line_with_the_progress_bar(tmp_path, bar):
+    _lit()
+    if bar == "rich":
+        pytest.importorskip("rich")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = tmp_path / "child.py"
+    child.write_text(_PTY_LIGHTNING.format(root=root, tmp=str(tmp_path), rich=bar == "rich"))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "TERM": "xterm"}
+    proc = subprocess.run(["script", "-q", "-e", "-c", f"stty cols 120 rows 40; {sys.executable} {child}", "/dev/null"],
+                          env=env, capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+    raw = proc.stdout.decode("utf-8", "replace")
+    assert proc.returncode == 0, raw[-3000:]
+    lines = _render(raw)
+    assert "12/30" in raw  # the bar was drawn around the events
+    mine = [line for line in lines if "[gradguard]" in line]
+    assert any("step 13: rollback" in line for line in mine) and any("summary:" in line for line in mine)
+    bar_re = re.compile(r"\d+%\||it/s|s/it|━")
+    mixed = [line for line in mine if bar_re.search(line) or not line.lstrip().startswith("[gradguard]")]
+    assert not mixed, mixed[:3]
+    assert sum("step 13:" in line for line in mine) == 1  # one line for the escalation step
