@@ -87,7 +87,9 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         raise_on_halt: overrides ``config.output.halt_raises`` (None: the config decides): after a
             halt has stopped training and saved a checkpoint, raise :class:`GradGuardHalt` from
             ``trainer.train()`` (False: only stop; see ``.diagnosis``).
-        layer_metrics: add per-layer ``gradguard/grad_norm/<layer>`` values to the Trainer's logs.
+        layer_metrics: send per-layer values (``gradguard/grad_norm/<layer>``, ``update_ratio/<layer>``,
+            ``param_norm/<layer>``) on logging steps to the ``report_to`` W&B run / TensorBoard writer
+            (at the same ``train/global_step``; they stay out of the printed logs).
     """
 
     def __init__(self, config: GuardConfig | dict[str, Any] | None = None, *, sinks: list[Sink] | None = None,

@@ -61,6 +61,22 @@ def event_steps(records: list[dict]) -> dict[int, set[str]]:
     return out
 
 
+def leet_counts(run_dir: str) -> Counter | None:
+    """Record counts by type as wandb's own ``wandb leet inspect --json`` prints them (None when the
+    command is missing)."""
+    exe = shutil.which("wandb")
+    if exe is None:
+        return None
+    proc = subprocess.run([exe, "leet", "inspect", "--json", run_dir], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        return None
+    counts: Counter = Counter()
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            counts[json.loads(line).get("type")] += 1
+    return counts
+
+
 def peak(value):
     return value["max"] if isinstance(value, dict) else value
 
@@ -95,6 +111,9 @@ def test_hf_wandb_and_tensorboard_show_every_event_at_its_step(wandb_offline, tm
     assert set(want) == {12, 30, 31, 45}
 
     (run,) = read_runs(str(tmp_path))  # one run: the sink's and the Trainer's are the same
+    leet = leet_counts(os.path.dirname(run.path))
+    if leet is not None:  # wandb's own reader agrees with ours
+        assert (leet["history"], leet["alert"]) == (len(run.history), len(run.alerts))
     assert not [k for row in run.history for k in row if k.startswith("gradguard/") and
                 not k.startswith(gg.WandbSink.TABLE_KEY)], "keys logged outside HF's train/ namespace"
     no_duplicate_points(run.history, "train/global_step", "train/gradguard/")
