@@ -25,6 +25,7 @@ __all__ = [
     "find_caller", "hf_callback_list", "pl_combined_loader", "pl_loader_iterator", "pl_iterator_drawn",
     "pl_restart_sampler_iter", "pl_data_fetcher", "pl_set_epoch_length", "pl_checkpoint_last_saved",
     "swap_class", "check_features", "versions", "has_foreach_support", "device_dtype_groups", "HF_NORM_METHOD", "hf_norm_pass_plain",
+    "pl_log_step", "pl_should_update_logs",
 ]
 
 _MISSING = object()
@@ -298,3 +299,21 @@ def wandb_workspace_load(view: dict[str, Any]) -> Any:
     from wandb_workspaces.workspaces import Workspace, internal
 
     return Workspace._from_model(internal.View.model_validate(view))
+# -- Lightning: the logging cadence ---------------------------------------------------------------
+def pl_log_step(trainer: Any) -> int:
+    """The step Lightning logs the current batch's ``self.log`` values at (``_batches_that_stepped``:
+    the optimizer steps before this batch's; it moves after ``on_train_batch_end``)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    value = getattr(loop, "_batches_that_stepped", None)
+    return int(value) if value is not None else max(0, int(trainer.global_step) - 1)
+
+
+def pl_should_update_logs(trainer: Any) -> bool:
+    """Whether Lightning sends this batch's step metrics to its loggers (``log_every_n_steps``,
+    ``_logger_connector.should_update_logs``)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    value = getattr(connector, "should_update_logs", None)
+    if value is None:
+        every = int(getattr(trainer, "log_every_n_steps", 50) or 0)
+        return bool(every) and (pl_log_step(trainer) + 1) % every == 0
+    return bool(value)

@@ -505,8 +505,13 @@ class OutputConfig:
     entry point (``guard.step``, ``trainer.train()``, ``trainer.fit()``). False: only stop; the
     diagnosis is on the adapter's ``.diagnosis`` (and ``report.diagnosis``). Same in every engine."""
 
+    alert_every: int = 50
+    """Alerts (W&B ``run.alert``, a TensorBoard text entry) on a rollback or escalation: at most one
+    every this many steps (the ones in between are counted into the next); a halt always alerts."""
+
     def __post_init__(self) -> None:
         _positive(self, "metrics_interval", integer=True)
+        _positive(self, "alert_every", integer=True)
         _flag(self, "jsonl")
         _flag(self, "console")
         _optional_text(self, "dir", "a folder path")

@@ -26,7 +26,7 @@ from torch import nn
 from ._compat import scaler_found_inf, scaler_scale, set_scaler_scale
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
 from .advice import advise
-from .config import GuardConfig
+from .config import RUNG_ACTIONS, GuardConfig
 from .contract import CheckpointSource, Collective
 from .contract import collective as default_collective
 from .detect import NORM_TAKEOVER, Detectors, Finding, Signals
@@ -178,6 +178,16 @@ class GuardCore:
         self._loss_sum: torch.Tensor | float | None = None
         self._loss_n = 0
         self._before_params: list[torch.Tensor] | None = None
+        self._step_lrs: list[float] = []
+        self._ratios: dict[str, float] = {}  # the latest update ratios / param norms (kept for engines' log steps)
+        #: engine hook: True for a step the engine will log (update ratios are measured for it)
+        self.ratio_due: Callable[[int], bool] | None = None
+        #: the full row of the latest step the engine logs itself (see ``after_step(engine_logs=True)``)
+        self.pending_row: dict[str, float] | None = None
+        self._last_finite_loss: float | None = None
+        self._alert_last: int | None = None
+        self._alerts_held = 0
+        self.report_path: str | None = None  # an HTML report written for this run (shown in the summary)
         self._verified = False  # no update applied since the weights were restored from a snapshot
         self._undo: tuple[dict[str, Any], float] | None = None  # LR/clip before the last rollback rung
         self._extra_actions: list[Action] = []
@@ -200,7 +210,6 @@ class GuardCore:
             self.snapshots.on_event = self._emit  # I/O errors and invalidations become events
         self._cause_ids: list[int] = []  # ids of the findings that the step's actions answer
         self._optimizer_at_start = optimizer_info(self.optimizer)
-        self._last_finite_loss = float("nan")
         self._action_log: deque[dict[str, Any]] = deque(maxlen=10_000)  # for the advice at close
         self._emit({"type": "start", "step": 0, "schema_version": EVENT_SCHEMA_VERSION,
                     "versions": package_versions(), "layers": list(self.layers.layer_names),
@@ -340,7 +349,10 @@ class GuardCore:
                         "finding_ids": step_ids, "diagnosis": report.diagnosis})
             self.write_diagnosis(report.diagnosis)
         report.lr_multiplier = self.lr.current()
-        if report.applied and step % cfg.measure.log_interval == 0:
+        # the scheduler's LRs this optimizer step runs with (engines log after the scheduler moved on)
+        self._step_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        if report.applied and (step % cfg.measure.log_interval == 0
+                               or (self.ratio_due is not None and self.ratio_due(step))):
             self._before_params = [p.detach().clone() for p in self.layers.params]
         self._last = report
         return report
@@ -374,8 +386,16 @@ class GuardCore:
         self._emit({"type": "skip", "step": self.step_count, "reason": "batch discarded by the engine",
                     "finding_ids": []})
 
-    def after_step(self, report: StepReport) -> None:
-        """Call after the optimizer stepped (or not): counters, log-interval metrics."""
+    def after_step(self, report: StepReport, *, engine_logs: bool | None = None) -> None:
+        """Call after the optimizer stepped (or not): counters, metrics, alerts.
+
+        ``engine_logs``: None for an engine without a logging cadence of its own (the plain loop:
+        every sink gets the metrics every ``output.metrics_interval`` steps and at every step with an
+        event). True/False from an adapter whose engine logs on its own cadence (HF's
+        ``logging_steps``, Lightning's ``log_every_n_steps``) and says whether it logs this step: then
+        the engine-bound sinks (:attr:`Sink.engine_bound`) get a row only at an event step the engine
+        does not log, and on a logged step the full row waits in :attr:`pending_row` for the adapter
+        to hand to the engine's own log call."""
         self.step_count = report.step
         if report.applied:
             self.applied_steps += 1
@@ -389,8 +409,92 @@ class GuardCore:
             interval = self.config.recovery.snapshot_interval
             if self.snapshots is not None and self.applied_steps % interval == 0:
                 self.take_snapshot(report.step)
-        if report.step % self.config.output.metrics_interval == 0 or report.findings or report.actions:
-            self._emit_metrics(report)
+        if self._before_params is not None:
+            self._measure_update()
+        if report.loss is not None and math.isfinite(report.loss):
+            self._last_finite_loss = report.loss
+        events = self.event_metrics(report)
+        due = report.step % self.config.output.metrics_interval == 0
+        self.pending_row = None
+        if due or events or engine_logs:
+            m = self.metrics(report)
+            m.update(events)
+            for s in self.sinks:
+                if s.engine_bound and engine_logs is not None:
+                    if events and not engine_logs:
+                        s.log_metrics(report.step, m)  # an event step the engine does not log
+                elif due or events:
+                    s.log_metrics(report.step, m)
+            if engine_logs:
+                self.pending_row = m
+        self._alert(report)
+        for s in self.sinks:
+            s.end_step(report.step)
+
+    def send_live(self, step: int, metrics: dict[str, float]) -> None:
+        """Send a row to the engine-bound sinks only (what an adapter keeps out of the engine's own,
+        printed log at a logging step: the per-layer values)."""
+        if metrics:
+            for s in self.sinks:
+                if s.engine_bound:
+                    s.log_metrics(step, metrics)
+
+    def add_live_sinks(self, sinks: list[Sink]) -> None:
+        """Add sinks an adapter built around the engine's own run or writer (after construction)."""
+        for sink in sinks:
+            if sink not in self.sinks:
+                self.sinks.append(sink)
+
+    def set_console_writer(self, write: Callable[[str, Any], None]) -> None:
+        """Route the console lines through the engine's progress display (``write(line, stream)``)."""
+        for s in self.sinks:
+            if isinstance(s, ConsoleSink):
+                s.write = write
+
+    def event_metrics(self, report: StepReport) -> dict[str, float]:
+        """``gradguard/event/<name>`` for each finding kind, action, skip and halt of the step; the
+        value is the step's loss (the last finite one when it is not), so the points sit on the
+        loss curve when overlaid."""
+        names = [f.kind for f in report.findings] + [a.name for a in report.actions]
+        if report.skipped and not report.halt:
+            names.append("skip")
+        if report.halt:
+            names.append("halt")
+        if not names:
+            return {}
+        y = report.loss if report.loss is not None and math.isfinite(report.loss) else self._last_finite_loss
+        y = 0.0 if y is None else float(y)
+        return {f"{M.EVENT}/{n}": y for n in dict.fromkeys(names)}
+
+    def _alert(self, report: StepReport) -> None:
+        """``ERROR`` on a halt, ``WARN`` on a rollback or escalation (rate-limited by ``output.alert_every``)."""
+        escalations = [a for a in report.actions if a.name in RUNG_ACTIONS and a.name != "halt"]
+        if report.halt:
+            level, title = "ERROR", "gradguard: training halted"
+        elif escalations:
+            rollback = any(a.name == "rollback" for a in escalations)
+            level, title = "WARN", "gradguard: rollback" if rollback else "gradguard: escalation"
+            if self._alert_last is not None and report.step - self._alert_last < self.config.output.alert_every:
+                self._alerts_held += 1
+                return
+        else:
+            return
+        layers = sorted({n for f in report.findings for n in f.layers}) or [n for n, _ in self.culprits.most_common(3)]
+        if report.halt and report.diagnosis:
+            reason = str(report.diagnosis.get("reason", ""))
+        else:
+            reason = next((a.reason for a in escalations if a.reason), "")
+        acts = ", ".join(a.name for a in escalations) or "halt"
+        text = (f"step {report.step}: {reason}. Actions: {acts}. Culprit layers: {', '.join(layers) or 'none named'}. "
+                f"LR x{self.lr.global_mult:.4g}, clip {self.clip.max_norm:.4g}.")
+        if self._alerts_held:
+            text += f" ({self._alerts_held} more since the last alert.)"
+        self._alert_last, self._alerts_held = report.step, 0
+        for s in self.sinks:
+            try:
+                s.log_alert(level, title, text, report.step)
+            except Exception as exc:  # noqa: BLE001 - an alert never stops training
+                warn(f"gradguard: alert to {type(s).__name__} failed ({exc})", stacklevel=2)
 
     # -- actions ---------------------------------------------------------------------------
     def register_actuator(self, name: str, fn: Callable[[Action], dict[str, Any]]) -> None:
@@ -649,7 +753,7 @@ class GuardCore:
             s.log_event(event)
 
     def metrics(self, report: StepReport) -> dict[str, float]:
-        m: dict[str, float] = {M.GRAD_NORM: report.total_norm, M.LR_MULT: self.lr.current(),
+        m: dict[str, float] = {M.GRAD_NORM: report.total_norm, M.LR_MULT: report.lr_multiplier,
                                M.SKIPPED: float(self.skipped_steps), M.FINDINGS: float(self.n_findings),
                                M.LEVEL: float(self.policy.level)}
         if report.loss is not None:
@@ -661,27 +765,27 @@ class GuardCore:
             m[M.OVERFLOW] = float(report.overflow)
         for name, v in report.layer_norms.items():
             m[f"{M.GRAD_NORM_LAYER}/{metric_key(name)}"] = v
-        for i, g in enumerate(self.optimizer.param_groups):
-            m[f"{M.LR}/group{i}"] = float(g["lr"]) * self.lr.current()
-            m[f"{M.LR_SCHEDULED}/group{i}"] = float(g["lr"])
-        if report.loss is not None and math.isfinite(report.loss):
-            self._last_finite_loss = report.loss
-        events = [a.name for a in report.actions]
-        if report.skipped and not report.halt and "rollback" not in events:
-            events.append("skip")
-        if report.halt:
-            events.append("halt")
-        for name in events:  # points a line plot overlays on the loss
-            m[f"{M.EVENT}/{name}"] = self._last_finite_loss
+        lrs = self._step_lrs or [float(g["lr"]) for g in self.optimizer.param_groups]
+        for i, lr in enumerate(lrs):  # the LR applied at this step: the scheduler's x the multiplier
+            m[f"{M.LR}/group{i}"] = lr * report.lr_multiplier
+            m[f"{M.LR_SCHEDULED}/group{i}"] = lr
         for name, c in self.action_counts.items():
             m[f"{M.ACTION}/{name}"] = float(c)
         if self._before_params is not None:
-            ratios, wn = self.measurer.update_ratios(self._before_params)
-            self._before_params = None
-            for name, r, w in zip(self.layers.layer_names, ratios, wn):
-                m[f"{M.UPDATE_RATIO_LAYER}/{metric_key(name)}"] = r
-                m[f"{M.PARAM_NORM_LAYER}/{metric_key(name)}"] = w
+            self._measure_update()
+        m.update(self._ratios)
         return m
+
+    def _measure_update(self) -> None:
+        """Update ratio and weight norm per layer from the copy taken before the optimizer step
+        (kept until the next measurement, so that an engine's later log call carries them)."""
+        assert self._before_params is not None
+        ratios, wn = self.measurer.update_ratios(self._before_params)
+        self._before_params = None
+        self._ratios = {}
+        for name, r, w in zip(self.layers.layer_names, ratios, wn):
+            self._ratios[f"{M.UPDATE_RATIO_LAYER}/{metric_key(name)}"] = r
+            self._ratios[f"{M.PARAM_NORM_LAYER}/{metric_key(name)}"] = w
 
     def _emit_metrics(self, report: StepReport) -> None:
         m = self.metrics(report)
@@ -699,10 +803,12 @@ class GuardCore:
         }
 
     def summary(self) -> dict[str, Any]:
+        groups = self.optimizer.param_groups
+        final_lr = float(groups[0]["lr"]) * self.lr.current() if groups and "lr" in groups[0] else None
         out = {"steps": self.step_count, "applied": self.applied_steps, "skipped": self.skipped_steps,
                "findings": self.n_findings, "actions": dict(self.action_counts),
-               "lr_multiplier": self.lr.global_mult, "max_grad_norm": self.clip.max_norm,
-               "log": self.log_path}
+               "lr_multiplier": self.lr.global_mult, "final_lr": final_lr, "max_grad_norm": self.clip.max_norm,
+               "log": self.log_path, "report": self.report_path}
         out["advice"] = advise(actions=list(self._action_log), summary=out, config=self.config.to_dict(),
                                optimizer=self._optimizer_at_start)
         return out

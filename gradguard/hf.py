@@ -21,10 +21,14 @@ How the Trainer's events map onto the core:
   does not move) and holds the LR scheduler for that one ``step()`` call.
 * ``on_step_end``: ``core.after_step``; a halt sets ``should_training_stop`` and ``should_save``
   and writes ``<out>/gradguard/diagnosis.json``; ``GradGuardHalt`` is raised after the save.
-* ``on_log``: ``gradguard/...`` metrics are added to the Trainer's logs (the callback moves itself
-  ahead of the reporting integrations so that they receive them). ``gradguard/loss`` is the mean
-  guard loss of the logging window, non-finite values included (the Trainer's
-  ``logging_nan_inf_filter`` hides them from ``loss``).
+* ``on_log``: the run-level ``gradguard/...`` metrics are added to the Trainer's logs (the callback
+  moves itself ahead of the reporting integrations so that they receive them); the per-layer ones
+  go straight to the ``report_to`` W&B run / TensorBoard writer at the same ``train/global_step``
+  (kept out of the printed logs). ``gradguard/loss`` is the mean guard loss of the logging window,
+  non-finite values included (the Trainer's ``logging_nan_inf_filter`` hides them from ``loss``).
+* a step with a finding, skip, action or halt that is not a logging step is written into the
+  ``report_to`` W&B run / TensorBoard writer at that step (``gradguard/event/<name>`` points);
+  alerts go there too (``gradguard._hf.live``).
 * ``trainer.training_step`` is wrapped for the run (the Trainer is found on the call stack): an
   out-of-memory error retries the same samples in smaller chunks (and later micro-batches stay
   split); a data window skipped after a rollback is not computed; ``shrink_mode="micro"`` splits.
@@ -58,6 +62,7 @@ from ._compat import (
     unshadow_method,
 )
 from ._hf.checkpoints import STATE_FILE, TrainerCheckpoints, find_resume_state, write_state_file
+from ._hf.live import bind_integrations, is_logging_step
 from ._hf.loader import TrainerLoader
 from ._hf.setup import log_entries, unsupported
 from ._hf.steps import StepRunner
@@ -67,7 +72,7 @@ from .config import GuardConfig
 from .guard import GuardCore, StepReport
 from .measure import EngineClip
 from .policy import Action
-from .sinks import M, Sink
+from .sinks import M, Sink, is_headline
 
 try:
     from transformers import TrainerCallback
@@ -94,7 +99,9 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         raise_on_halt: overrides ``config.output.halt_raises`` (None: the config decides): after a
             halt has stopped training and saved a checkpoint, raise :class:`GradGuardHalt` from
             ``trainer.train()`` (False: only stop; see ``.diagnosis``).
-        layer_metrics: add per-layer ``gradguard/grad_norm/<layer>`` values to the Trainer's logs.
+        layer_metrics: send per-layer values (``gradguard/grad_norm/<layer>``, ``update_ratio/<layer>``,
+            ``param_norm/<layer>``) on logging steps to the ``report_to`` W&B run / TensorBoard writer
+            (at the same ``train/global_step``; they stay out of the printed logs).
     """
 
     def __init__(self, config: GuardConfig | dict[str, Any] | None = None, *, sinks: list[Sink] | None = None,
@@ -125,6 +132,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self._decided = False  # this step's decision was taken in the Trainer's norm pass
         self._norm_plain: bool | None = None  # the Trainer's norm pass can be taken over (first step)
         self._norm_shadow: tuple[Any, Any, Any] | None = None  # (trainer, wrapper, previous)
+        self._callbacks: list[Any] = []  # the Trainer's callback list (its report_to integrations)
+        self._live_bound = False
 
     # -- compatibility with earlier attribute names ----------------------------------------------
     @property
@@ -228,6 +237,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
 
         trainer = find_caller(Trainer, start=2)
         runner.trainer = trainer
+        self._callbacks = list(getattr(getattr(trainer, "callback_handler", None), "callbacks", None) or [])
+        core.ratio_due = lambda step: self.layer_metrics and is_logging_step(args, state, step)
         if trainer is not None and may_wrap(cfg):  # monitor mode changes nothing, OOM handling included
             runner.wrap(trainer)
         if trainer is not None and hasattr(trainer, HF_NORM_METHOD):
@@ -327,11 +338,15 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             return
         self._held.release()  # only the skipped step's scheduler.step() is swallowed
         report, self._report = self._report, None
+        if not self._live_bound and getattr(state, "is_world_process_zero", True):
+            self._live_bound = True  # the integrations set themselves up in their on_train_begin
+            core.add_live_sinks(bind_integrations(self._callbacks, core.sinks))
         if report is not None:
             core.keep_scale(report, self._scaler)  # the Trainer's scaler.update() may have halved it once more
             if report.applied and report.loss is not None and math.isfinite(report.loss):
                 self.runner.last_step_loss = report.loss
-            core.after_step(report)
+            # DefaultFlowCallback (ahead of this callback) has decided whether this step is logged
+            core.after_step(report, engine_logs=bool(control.should_log))
             self.reports.append(report)
             if len(self.reports) > 1000:
                 del self.reports[:-1000]
@@ -373,11 +388,17 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if "loss" not in logs and "grad_norm" not in logs:
             return  # evaluation and end-of-training summaries
         window, self._window_losses = self._window_losses, []
-        m = log_entries(self.core.metrics(self.core.last_report), window, self.layer_metrics, NONFINITE_LOSS_STEPS)
-        logs.update(m)
+        core = self.core
+        row = core.pending_row if core.pending_row is not None else core.metrics(core.last_report)
+        core.pending_row = None
+        m = log_entries(row, window, True, NONFINITE_LOSS_STEPS)
+        head = {k: v for k, v in m.items() if is_headline(k)}
+        logs.update(head)  # what the Trainer prints and hands to every report_to integration
+        if self.layer_metrics:  # per-layer values: only to the W&B run / TensorBoard writer, same step
+            core.send_live(state.global_step, {k: v for k, v in m.items() if not is_headline(k)})
         hist = getattr(state, "log_history", None)
         if hist and hist[-1].get("step") == state.global_step and "loss" in hist[-1]:
-            hist[-1].update(m)
+            hist[-1].update(head)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.core is None:

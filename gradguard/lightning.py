@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
-from ._compat import check_features, scaler_scale
+from ._compat import check_features, pl_should_update_logs, scaler_scale
 from ._lightning.checkpoints import ModelCheckpointFiles
 from ._lightning.clip import ClipTakeover
 from ._lightning.loader import TrainerLoader
-from ._lightning.setup import LightningLoggerSink, unsupported
+from ._lightning.setup import LightningLoggerSink, console_writer, live_sinks, unsupported
 from ._lightning.steps import StepWrappers
 from .act import unwrap_optimizer
 from .adapter import HaltLatch, SchedulerHold, check_ladder, halt_raises, may_wrap, refuse_unsupported, resolve_clip
@@ -76,7 +76,11 @@ class _GradGuardMixin:
                 (the working directory by default: then ``./gradguard_runs/``, never a folder that
                 would shadow the package).
             layer_fn: parameter name -> layer name (see ``gradguard.measure.LayerMap``).
-            log_to_loggers: send the core's metrics to the trainer's loggers.
+            log_to_loggers: send the core's metrics to the trainer's loggers: the regular rows with
+                ``pl_module.log_dict`` (Lightning's ``log_every_n_steps`` and step, next to the
+                user's ``self.log``), the rows of event steps Lightning does not log straight into
+                each logger at Lightning's step for that batch, alerts into a ``WandbLogger``'s run
+                (``run.alert``) and a ``TensorBoardLogger``'s writer (text).
         """
         super().__init__()
         self.config = config = GuardConfig.coerce(config, "GradGuardCallback(config)")
@@ -192,13 +196,17 @@ class _GradGuardMixin:
         if rank0:
             sinks = list(self.extra_sinks)
             if self.log_to_loggers and trainer.loggers:
-                sinks.append(LightningLoggerSink(trainer))
+                sinks.extend(live_sinks(trainer, sinks))
         out_dir = self.out_dir or cfg.output.dir or log_dir or trainer.default_root_dir
         self.scaler = getattr(trainer.precision_plugin, "scaler", None)
         sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         self.core = GuardCore(pl_module, opt, config=cfg, sinks=sinks, out_dir=out_dir, layer_fn=self.layer_fn,
                               scheduler=sched, scaler=self.scaler)
         self.core.attach_data_skip(self._skip_data)
+        self.core.ratio_due = lambda _step: self._engine_logs(trainer) is True
+        write = console_writer(trainer)
+        if write is not None:
+            self.core.set_console_writer(write)
         # after the core's LR-multiplier hooks: tells whether the core's pre-hook already ran when
         # on_before_optimizer_step fires (Lightning runs the closure inside optimizer.step()).
         self._hook_handles = [opt.register_step_pre_hook(self._pre_hook),
@@ -342,13 +350,23 @@ class _GradGuardMixin:
             self._held.release()
             report, self._report = self._report, None
             if report is not None:
-                core.after_step(report)
+                core.after_step(report, engine_logs=self._engine_logs(trainer))
+                row, core.pending_row = core.pending_row, None
+                if row:  # Lightning's cadence and step, in the same row as the user's self.log
+                    pl_module.log_dict(row, on_step=True, on_epoch=False, prog_bar=False, logger=True,
+                                       batch_size=1)
                 core.keep_scale(report, self.scaler)  # the GradScaler updated inside the optimizer step
             self._window_step = False
             self._poisoned = False
             self._setup_clip(trainer)
         if self.batches is not None:
             self.batches.poll()
+
+    def _engine_logs(self, trainer: Any) -> bool | None:
+        """Whether Lightning logs this batch's step metrics (None: the loggers are not used)."""
+        if not (self.log_to_loggers and trainer.loggers):
+            return None
+        return pl_should_update_logs(trainer)
 
     def _skip_data(self, action: Action) -> dict[str, Any]:
         n = int(action.params.get("batches", 0))

@@ -12,7 +12,7 @@ from . import _io
 from .errors import warn
 
 __all__ = ["Sink", "JSONLSink", "ConsoleSink", "MemorySink", "TensorBoardSink", "WandbSink", "M",
-           "EVENT_SCHEMA_VERSION", "event_schema", "package_versions"]
+           "EVENT_SCHEMA_VERSION", "event_schema", "package_versions", "is_headline", "alert_text"]
 
 EVENT_SCHEMA_VERSION = 1
 """Version of the JSONL event records (``gradguard/schema/events.schema.json``), in the ``start``
@@ -65,7 +65,21 @@ class M:
     FINDINGS = "gradguard/findings"
     ACTION = "gradguard/action"  # + /<name>: cumulative count
     LEVEL = "gradguard/ladder_level"
-    EVENT = "gradguard/event"  # + /<action name>, /skip, /halt: at that step only, valued the step's loss
+    EVENT = "gradguard/event"  # + /<finding kind, action name, skip or halt>: the step's loss (a point on the loss curve)
+    ALERTS_TEXT = "gradguard/alerts"  # TensorBoard text tag of the alerts
+
+
+def is_headline(key: str) -> bool:
+    """True for a run-level key (what an engine's printed log keeps, e.g. HF's progress bar);
+    False for per-layer values (``grad_norm/<layer>``, ``update_ratio/<layer>``, ``param_norm/<layer>``)."""
+    if key.startswith((M.LR + "/", M.ACTION + "/", M.EVENT + "/")) or key == M.GRAD_NORM:
+        return True
+    return key.count("/") < 2
+
+
+def rename(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    """``metrics`` with ``prefix`` put before every key (an engine's namespace, e.g. HF's ``train/``)."""
+    return {prefix + k: v for k, v in metrics.items()} if prefix else dict(metrics)
 
 
 def _clean(v: Any) -> Any:
@@ -79,13 +93,27 @@ def _clean(v: Any) -> Any:
 
 
 class Sink:
-    """Interface: every method is optional to override."""
+    """Interface: every method is optional to override.
+
+    ``engine_bound`` is True for a sink that writes into the engine's own run or writer (HF's
+    ``report_to`` integrations, Lightning's loggers): the engine then carries the regular rows at
+    its own logging cadence and the core sends such a sink only the rows of steps with an event
+    that the engine does not log (see ``GuardCore.attach_live``)."""
+
+    engine_bound = False
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:  # noqa: B027
         pass
 
     def log_event(self, event: dict[str, Any]) -> None:  # noqa: B027
         pass
+
+    def log_alert(self, level: str, title: str, text: str, step: int) -> None:  # noqa: B027
+        """An alert (``level`` "ERROR" for a halt, "WARN" for a rollback or escalation); the core
+        rate-limits them."""
+
+    def end_step(self, step: int) -> None:  # noqa: B027
+        """Called once per optimizer step after its events (buffered output may be flushed)."""
 
     def close(self, summary: dict[str, Any] | None = None) -> None:  # noqa: B027
         pass
@@ -187,33 +215,107 @@ class JSONLSink(Sink):
             self._fh = None
 
 
-class ConsoleSink(Sink):
-    """One readable line per action (and halt), a summary at the end."""
+def console_writer() -> Any:
+    """The default console writer: ``tqdm.write`` (it clears and redraws every live tqdm bar, HF's and
+    Lightning's included, so no line mixes a bar and a message) when tqdm is installed, else print."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with transformers and lightning
+        return None
 
-    def __init__(self, stream: TextIO | None = None, prefix: str = "[gradguard]") -> None:
+    def write(line: str, stream: TextIO) -> None:
+        tqdm.write(line, file=stream)
+        stream.flush()
+
+    return write
+
+
+class ConsoleSink(Sink):
+    """Readable lines: one per escalation step (its actions together), one per skip (at most one
+    every ``skip_every`` steps; the others are counted into the next line), the halt, and a summary
+    with the final LR multiplier, clip, skipped steps and the paths of the log (and report).
+
+    Lines go through ``write(line, stream)``: default ``tqdm.write`` (so a progress bar is cleared
+    first); an engine with another progress display hands its writer (Lightning's Rich bar)."""
+
+    def __init__(self, stream: TextIO | None = None, prefix: str = "[gradguard]", *, write: Any = None,
+                 skip_every: int = 50) -> None:
         self.stream = stream or sys.stderr
         self.prefix = prefix
+        self.write = write if write is not None else console_writer()
+        self.skip_every = skip_every
+        self._pending: tuple[int, str, list[str]] | None = None  # (step, reason, action texts)
+        self._last_skip: int | None = None
+        self._skips_unprinted = 0
+        #: ``(label, path)`` lines added to the summary by other parts (e.g. an HTML report writer).
+        self.extra_paths: list[tuple[str, str]] = []
+
+    def _print(self, line: str) -> None:
+        line = f"{self.prefix} {line}"
+        if self.write is not None:
+            try:
+                self.write(line, self.stream)
+                return
+            except Exception:  # noqa: BLE001 - a broken display never stops training
+                pass
+        print(line, file=self.stream, flush=True)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            step, reason, parts = pending
+            self._print(f"step {step}: {'; '.join(parts)}{' <- ' + reason if reason else ''}")
 
     def log_event(self, event: dict[str, Any]) -> None:
-        if event.get("type") == "action":
+        kind = event.get("type")
+        if kind == "action":
             params = ", ".join(f"{k}={_fmt(v)}" for k, v in event.get("params", {}).items())
-            print(f"{self.prefix} step {event['step']}: {event['name']}"
-                  f"{' (' + params + ')' if params else ''} <- {event.get('reason', '')}",
-                  file=self.stream, flush=True)
-        elif event.get("type") == "halt":
-            print(f"{self.prefix} HALT at step {event['step']}: {event.get('message', '')}",
-                  file=self.stream, flush=True)
+            text = f"{event['name']}{' (' + params + ')' if params else ''}"
+            step, reason = int(event.get("step") or 0), str(event.get("reason", ""))
+            if self._pending is not None and self._pending[0] == step and self._pending[1] == reason:
+                self._pending[2].append(text)
+            else:
+                self._flush()
+                self._pending = (step, reason, [text])
+        elif kind == "skip":
+            step = int(event.get("step") or 0)
+            if self._pending is not None and self._pending[0] == step:
+                return  # the step's action line says why (rollback, halt...)
+            self._flush()
+            if self._last_skip is not None and step - self._last_skip < self.skip_every:
+                self._skips_unprinted += 1
+                return
+            more = f" (+{self._skips_unprinted} skipped since step {self._last_skip})" if self._skips_unprinted else ""
+            self._last_skip, self._skips_unprinted = step, 0
+            self._print(f"step {step}: skipped <- {event.get('reason', '')}{more}")
+        elif kind == "halt":
+            self._flush()
+            self._print(f"HALT at step {event['step']}: {event.get('message', '')}")
+
+    def end_step(self, step: int) -> None:
+        self._flush()
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
+        self._flush()
         if not summary:
             return
         acts = ", ".join(f"{k} x{v}" for k, v in summary.get("actions", {}).items()) or "none"
-        print(f"{self.prefix} summary: {summary.get('steps', 0)} steps, {summary.get('skipped', 0)} skipped, "
-              f"{summary.get('findings', 0)} findings, actions: {acts}", file=self.stream, flush=True)
+        parts = [f"{summary.get('steps', 0)} steps, {summary.get('skipped', 0)} skipped, "
+                 f"{summary.get('findings', 0)} findings, actions: {acts}"]
+        if summary.get("lr_multiplier") is not None:
+            lr = summary.get("final_lr")
+            parts.append(f"final LR x{_fmt(summary['lr_multiplier'])}" + (f" = {_fmt(lr)}" if lr is not None else ""))
+        if summary.get("max_grad_norm") is not None:
+            parts.append(f"clip {_fmt(summary['max_grad_norm'])}")
+        self._print("summary: " + "; ".join(parts))
+        paths = [("log", summary.get("log")), ("report", summary.get("report")), *self.extra_paths]
+        for label, path in paths:
+            if path:
+                self._print(f"{label}: {path}")
         advice = summary.get("advice") or {}
         if advice.get("settings"):  # only when the guard had to change something
             for line in advice.get("lines", []):
-                print(f"{self.prefix} next run: {line}", file=self.stream, flush=True)
+                self._print(f"next run: {line}")
 
 
 def _fmt(v: Any) -> str:
@@ -230,49 +332,82 @@ def _event_text(event: dict[str, Any]) -> str:
     return f"step {event.get('step')}: **{event.get('name')}** `{params}` <- {event.get('reason', '')}"
 
 
-class TensorBoardSink(Sink):
-    """Metrics as TensorBoard scalars; actions and halts as text under ``gradguard/events``.
+def alert_text(title: str, text: str, level: str) -> str:
+    """One Markdown line for an alert (TensorBoard's equivalent of ``run.alert``)."""
+    return f"**{level}** {title}: {text}"
 
-    The cumulative per-action counts are already scalars (``gradguard/action/<name>``). Once per
-    run the sink writes the "training stability" custom-scalars layout
-    (:func:`gradguard.dashboards.tensorboard_layout`, the CUSTOM SCALARS tab); ``layout=False``
-    leaves the writer's layout alone."""
+
+class TensorBoardSink(Sink):
+    """Metrics as TensorBoard scalars; actions and halts as text under ``gradguard/events``, alerts
+    under ``gradguard/alerts``.
+
+    ``log_dir``: a writer of its own. ``writer``: an engine's ``SummaryWriter`` (HF's
+    ``TensorBoardCallback.tb_writer``, Lightning's ``TensorBoardLogger.experiment``): flushed, never
+    closed; ``prefix`` is the engine's namespace for the keys (HF: ``train/``) and ``step_fn`` maps
+    the guard's step to the engine's step. The cumulative per-action counts are scalars
+    (``gradguard/action/<name>``). Once per run the sink writes the "training stability"
+    custom-scalars layout (:func:`gradguard.dashboards.tensorboard_layout`, the CUSTOM SCALARS tab);
+    ``layout=False`` leaves the writer's layout alone."""
 
     TEXT_TAG = "gradguard/events"
 
-    def __init__(self, log_dir: str, flush_secs: int = 10, layout: bool = True) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise ImportError("gradguard: TensorBoardSink needs tensorboard. "
-                              "Fix: pip install 'gradguard[tensorboard]'") from exc
-        self.log_dir = log_dir
-        self._writer: Any = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
+    def __init__(self, log_dir: str | None = None, flush_secs: int = 10, *, writer: Any = None, prefix: str = "",
+                 step_fn: Any = None, layout: bool = True) -> None:
+        self.prefix = prefix
+        self.step_fn = step_fn
+        self.owns_writer = writer is None
+        if writer is None:
+            if log_dir is None:
+                from .errors import ConfigError
+
+                raise ConfigError("gradguard: TensorBoardSink(log_dir=None, writer=None): nothing to write to. "
+                                  "Fix: pass log_dir='runs/...' (or an existing SummaryWriter as writer=)")
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ImportError("gradguard: TensorBoardSink needs tensorboard. "
+                                  "Fix: pip install 'gradguard[tensorboard]'") from exc
+            writer = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
+        self.log_dir = log_dir if log_dir is not None else getattr(writer, "log_dir", None)
+        self._writer: Any = writer
         if layout:
             from .dashboards import tensorboard_layout
 
-            self._writer.add_custom_scalars(tensorboard_layout())
+            self._writer.add_custom_scalars(tensorboard_layout(prefix))
+
+    def _x(self, step: int) -> int:
+        return int(self.step_fn(step)) if self.step_fn is not None else int(step)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if self._writer is None:
             return
+        x = self._x(step)
         for k, v in metrics.items():
-            self._writer.add_scalar(k, float(v), global_step=step)
+            self._writer.add_scalar(self.prefix + k, float(v), global_step=x)
+        if not self.owns_writer:
+            self._writer.flush()
 
     def log_event(self, event: dict[str, Any]) -> None:
         if self._writer is None or event.get("type") not in ("action", "halt"):
             return
-        self._writer.add_text(self.TEXT_TAG, _event_text(event), global_step=int(event.get("step", 0)))
+        self._writer.add_text(self.prefix + self.TEXT_TAG, _event_text(event), global_step=self._x(int(event.get("step") or 0)))
+
+    def log_alert(self, level: str, title: str, text: str, step: int) -> None:
+        if self._writer is None:
+            return
+        self._writer.add_text(self.prefix + M.ALERTS_TEXT, alert_text(title, text, level), global_step=self._x(step))
+        self._writer.flush()
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         if self._writer is None:
             return
         if summary:
-            self._writer.add_text("gradguard/summary", "```\n" + json.dumps(_clean(summary), indent=1,
-                                                                         default=str) + "\n```",
-                                  global_step=int(summary.get("steps", 0) or 0))
+            self._writer.add_text(self.prefix + "gradguard/summary", "```\n" + json.dumps(_clean(summary), indent=1,
+                                                                                      default=str) + "\n```",
+                                  global_step=self._x(int(summary.get("steps", 0) or 0)))
         self._writer.flush()
-        self._writer.close()
+        if self.owns_writer:
+            self._writer.close()
         self._writer = None
 
 
@@ -287,18 +422,28 @@ def _flatten(prefix: str, d: dict[str, Any], out: dict[str, Any]) -> dict[str, A
 
 
 class WandbSink(Sink):
-    """Metrics to a Weights & Biases run; actions and halts as a ``gradguard/actions`` table and the
-    guard's summary as ``gradguard/summary/...`` keys, both written at close.
+    """Metrics to a Weights & Biases run; alerts as ``run.alert``; actions and halts as a
+    ``gradguard/actions`` table and the guard's summary as ``gradguard/summary/...`` keys, both
+    written at close. ``define_metric`` makes the run summary show the peak of the grad norms, loss
+    scale and ladder level and the count of each action.
 
     Uses ``run``, else the active ``wandb.run``, else ``wandb.init(**init_kwargs)``; only a run it
-    started itself is finished in ``close``. W&B steps cannot go back: metrics for a step below the
-    last one logged are logged without a step, so they join the run's current row (replacing its
-    values for the same keys) instead of being dropped by W&B."""
+    started itself is finished in ``close``. Inside an engine that already logs to the run (HF's
+    ``report_to="wandb"``, Lightning's ``WandbLogger``) the adapter binds the sink to the engine's
+    x axis (:meth:`bind`): rows then carry the engine's step key (``train/global_step``,
+    ``trainer/global_step``) and prefix instead of W&B's own step, and the engine carries the
+    regular rows. Unbound, W&B steps cannot go back: metrics for a step below the last one logged
+    are logged without a step, so they join the run's current row instead of being dropped."""
 
     TABLE_KEY = "gradguard/actions"
     COLUMNS = ["step", "name", "reason", "params"]
+    #: key prefixes (below the engine's prefix) whose run summary is the peak: norms, the scale, the
+    #: ladder level, and the cumulative action counts (their peak is the count)
+    PEAKS = ("gradguard/grad_norm/", "gradguard/loss_scale", "gradguard/ladder_level", "gradguard/action/",
+             "gradguard/skipped_steps", "gradguard/findings")
 
-    def __init__(self, run: Any = None, **init_kwargs: Any) -> None:
+    def __init__(self, run: Any = None, *, step_key: str | None = None, prefix: str = "", step_fn: Any = None,
+                 **init_kwargs: Any) -> None:
         try:
             import wandb
         except ImportError as exc:
@@ -311,18 +456,73 @@ class WandbSink(Sink):
             run = wandb.init(**init_kwargs)
             self.owns_run = True
         self.run: Any = run
+        self.step_key: str | None = step_key
+        self.prefix = prefix
+        self.step_fn: Any = step_fn
+        self.engine_bound = step_key is not None
         self._last_step: int | None = None
         self._rows: list[list[Any]] = []
         self._closed = False
+        self._defined: set[str] = set()
+        self._define_failed = False
+
+    def bind(self, run: Any, *, step_key: str, prefix: str = "", step_fn: Any = None) -> WandbSink:
+        """Write into an engine's run on its x axis: every row gets ``{step_key: engine step}``
+        (``step_fn(guard step)``, default the guard's step) and keys get ``prefix``."""
+        self.run = run
+        self.step_key, self.prefix, self.step_fn = step_key, prefix, step_fn
+        self.engine_bound = True
+        self._defined = set()
+        return self
+
+    def _define(self, keys: Any = ()) -> None:
+        """``define_metric`` for each new key with a peak summary, named one by one (W&B matches a
+        glob only when no earlier glob, such as HF's ``*``, does)."""
+        define = getattr(self.run, "define_metric", None)
+        if define is None or self._define_failed:
+            return
+        for key in keys:
+            if key in self._defined:
+                continue
+            self._defined.add(key)
+            if not key[len(self.prefix):].startswith(self.PEAKS):
+                continue
+            try:
+                if self.step_key:
+                    define(key, summary="max", step_metric=self.step_key, step_sync=True)
+                else:
+                    define(key, summary="max")
+            except Exception as exc:  # noqa: BLE001 - an older wandb: only the summaries are missing
+                self._define_failed = True
+                warn(f"gradguard: wandb define_metric failed ({exc}); run summaries show last values", stacklevel=3)
+                return
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if self._closed:
             return
-        if self._last_step is not None and step < self._last_step:
-            self.run.log(dict(metrics))
+        # W&B draws no point for nan/inf and a nan would poison the run summary's peak (max); the
+        # step's event points and the JSONL log keep them visible
+        row = {k: v for k, v in rename(metrics, self.prefix).items()
+               if not (isinstance(v, float) and not math.isfinite(v))}
+        self._define(row)
+        if self.step_key is not None:
+            row[self.step_key] = int(self.step_fn(step)) if self.step_fn is not None else int(step)
+            self.run.log(row)
             return
-        self.run.log(dict(metrics), step=step)
+        if self._last_step is not None and step < self._last_step:
+            self.run.log(row)
+            return
+        self.run.log(row, step=step)
         self._last_step = step
+
+    def log_alert(self, level: str, title: str, text: str, step: int) -> None:
+        if self._closed:
+            return
+        alert_level = getattr(getattr(self._wandb, "AlertLevel", None), level, level)
+        try:
+            self.run.alert(title=title, text=text, level=alert_level)
+        except Exception as exc:  # noqa: BLE001 - an alert never stops training
+            warn(f"gradguard: wandb alert failed ({exc})", stacklevel=3)
 
     def log_event(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
@@ -338,7 +538,8 @@ class WandbSink(Sink):
             return
         self._closed = True
         if self._rows:
-            self.run.log({self.TABLE_KEY: self._wandb.Table(columns=list(self.COLUMNS), data=self._rows)})
+            table = {self.TABLE_KEY: self._wandb.Table(columns=list(self.COLUMNS), data=self._rows)}
+            self.run.log(table)
         if summary:
             for k, v in _flatten("gradguard/summary", summary, {}).items():
                 self.run.summary[k] = v

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sinks import Sink
+from .._compat import pl_log_step
+from ..sinks import Sink, TensorBoardSink, WandbSink
 
-__all__ = ["unsupported", "LightningLoggerSink"]
+__all__ = ["unsupported", "LightningLoggerSink", "live_sinks", "console_writer"]
 
 _REFUSED_STRATEGIES = {"DeepSpeed": "DeepSpeed steps the optimizer and clips inside its engine, so gradguard can "
                                     "neither measure the pre-clip gradients nor skip a step safely",
@@ -14,14 +15,46 @@ _REFUSED_STRATEGIES = {"DeepSpeed": "DeepSpeed steps the optimizer and clips ins
 
 
 class LightningLoggerSink(Sink):
-    """Forwards the core's metrics to every logger of the trainer (CSV, TensorBoard, W&B...)."""
+    """Rows for one Lightning logger (CSV, MLflow, ...: any without a W&B run or a SummaryWriter),
+    at Lightning's step for the current batch, with ``log_metrics(metrics=..., step=...)`` as
+    Lightning calls it. The regular rows go through ``pl_module.log_dict`` (Lightning's own
+    cadence); the core sends this sink only the rows of event steps Lightning does not log."""
 
-    def __init__(self, trainer: Any) -> None:
+    engine_bound = True
+
+    def __init__(self, trainer: Any, logger: Any = None) -> None:
         self.trainer = trainer
+        self.logger = logger
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        for lg in self.trainer.loggers:
-            lg.log_metrics(dict(metrics), step=self.trainer.global_step)
+        loggers = [self.logger] if self.logger is not None else list(self.trainer.loggers)
+        x = pl_log_step(self.trainer)
+        for lg in loggers:
+            lg.log_metrics(metrics=dict(metrics), step=x)
+
+
+def live_sinks(trainer: Any, user_sinks: list[Sink]) -> list[Sink]:
+    """One engine-bound sink per logger of the trainer: a ``WandbLogger``'s run (a user's unbound
+    ``WandbSink`` on that run is bound in place, not doubled), a ``TensorBoardLogger``'s writer,
+    else the logger itself; all on Lightning's x axis (``trainer/global_step`` for W&B)."""
+    out: list[Sink] = []
+    step_fn = lambda _step: pl_log_step(trainer)  # noqa: E731
+    for lg in trainer.loggers:
+        kind = type(lg).__name__
+        if kind == "WandbLogger":
+            run = lg.experiment
+            mine = [s for s in user_sinks if isinstance(s, WandbSink) and s.run is run]
+            for s in mine:
+                s.bind(run, step_key="trainer/global_step", step_fn=step_fn)
+            if not mine:
+                out.append(WandbSink(run=run, step_key="trainer/global_step", step_fn=step_fn))
+        elif kind == "TensorBoardLogger" and hasattr(lg.experiment, "add_scalar"):
+            sink = TensorBoardSink(writer=lg.experiment, step_fn=step_fn)
+            sink.engine_bound = True
+            out.append(sink)
+        else:
+            out.append(LightningLoggerSink(trainer, lg))
+    return out
 
 
 def unsupported(trainer: Any) -> dict[str, str]:
@@ -38,3 +71,21 @@ def unsupported(trainer: Any) -> dict[str, str]:
         out["configure_optimizers"] = ("the trainer has no optimizer over the module's parameters (Lightning trains "
                                        "with a mock optimizer). Fix: return one from configure_optimizers")
     return out
+
+
+def console_writer(trainer: Any) -> Any:
+    """The writer of Lightning's Rich progress bar (its console prints above the live bar), or None
+    (the default ``tqdm.write`` serves the TQDM bar)."""
+    bar = getattr(trainer, "progress_bar_callback", None)
+    if bar is None or type(bar).__name__ != "RichProgressBar":
+        return None
+
+    def write(line: str, stream: Any) -> None:
+        progress = getattr(bar, "progress", None)
+        console = getattr(progress, "console", None)
+        if console is None:
+            print(line, file=stream, flush=True)
+        else:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    return write
