@@ -22,7 +22,8 @@ Hook -> event (automatic optimization, Lightning 2.4+):
   ``interval="step"`` schedulers held for that step.
 * ``on_train_batch_end`` (accumulation boundary) -> AFTER_OPTIMIZER_STEP: ``core.after_step``, the
   fp16 scale the core wants kept is put back, pending micro-batch changes apply.
-* ``on_save_checkpoint`` -> CHECKPOINT_SAVED; ``on_train_end`` -> FIT_END (after a halt:
+* ``on_save_checkpoint`` -> CHECKPOINT_SAVED (the file being written, read from ``Trainer.save_checkpoint``;
+  the checkpoint's own guard state lists it); ``on_train_end`` -> FIT_END (after a halt:
   :class:`gradguard.GradGuardHalt`, unless ``output.halt_raises`` is False).
 
 Use ``gradguard.lightning`` with ``lightning.pytorch`` (falls back to ``pytorch_lightning`` when only
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ._compat import check_features, scaler_scale
+from ._compat import check_features, pl_saving_checkpoint_path, scaler_scale
 from ._lightning.checkpoints import ModelCheckpointFiles
 from ._lightning.loader import TrainerLoader
 from ._lightning.setup import LightningLoggerSink, unsupported
@@ -235,7 +236,18 @@ class _GradGuardMixin:
             self.batches.epoch_start()
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        self.ckpt_files.saved(trainer.global_step)
+        # Lightning collects the callbacks' state_dict() before this hook: the file being written is
+        # recorded in the trust tier now and this callback's entry of the checkpoint is written again,
+        # so the checkpoint lists itself (a run resumed from it keeps it in its rollback tier, as the
+        # run that wrote it does)
+        path = pl_saving_checkpoint_path(trainer)
+        if self.core is None or path is None:
+            self.ckpt_files.saved(trainer.global_step)  # paths known at the next batch (ModelCheckpoint's record)
+            return
+        self.core.checkpoint_saved(trainer.global_step, [path])
+        entries = checkpoint.get("callbacks")
+        if isinstance(entries, dict) and self.state_key in entries:
+            entries[self.state_key] = self.state_dict()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.core is not None:
