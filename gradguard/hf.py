@@ -279,6 +279,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
                 raise
             saved = guard = None
         if not guard:
+            self.core.start_at(state.global_step)
             self.core.emit({"type": "resume", "step": state.global_step, "restored": False})
             return
         assert saved is not None

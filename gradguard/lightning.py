@@ -48,9 +48,18 @@ from ._lightning.loader import TrainerLoader
 from ._lightning.setup import LightningLoggerSink, unsupported
 from ._lightning.steps import StepWrappers
 from .act import unwrap_optimizer
-from .adapter import HaltLatch, SchedulerHold, check_ladder, halt_raises, may_wrap, refuse_unsupported, resolve_clip
+from .adapter import (
+    HaltLatch,
+    SchedulerHold,
+    check_ladder,
+    halt_raises,
+    may_wrap,
+    refuse_unsupported,
+    resolve_clip,
+    unusable_resume_state,
+)
 from .config import GuardConfig
-from .errors import GradGuardHalt, warn
+from .errors import GradGuardHalt, StateError, warn
 from .guard import GuardCore, StepReport
 from .policy import Action
 from .sinks import Sink
@@ -149,18 +158,29 @@ class _GradGuardMixin:
         if self.core is not None:
             self._apply_pending()
 
-    def _apply_pending(self) -> None:
+    def _apply_pending(self) -> bool:
+        """Apply the state restored from the checkpoint (True when a guard state was applied). One
+        that cannot be used: ``StateError`` when acting, a warning and a fresh guard in monitor mode."""
         st, self._pending_state = self._pending_state, None
         if not st or self.core is None:
-            return
+            return False
         if st.get("core") is not None:
-            self.core.load_state_dict(st["core"])
+            try:
+                self.core.load_state_dict(st["core"])  # validated whole first: a StateError changed nothing
+            except StateError as exc:
+                try:
+                    unusable_resume_state(self.config, exc)
+                except StateError:
+                    self._teardown_core()
+                    raise
+                return False
         if st.get("checkpoints") is not None and "checkpoints" not in (st.get("core") or {}):
             self.core.checkpoint_tier.load_state_dict(st["checkpoints"])  # written by gradguard <= 0.1
         self._skip_left = int(st.get("skip_left", 0))
         self.data_skipped_steps = int(st.get("data_skipped_steps", 0))
         if st.get("batches") and self.batches is not None:
             self.batches.load_state_dict(st["batches"])
+        return st.get("core") is not None
 
     # -- lifecycle -------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -203,7 +223,8 @@ class _GradGuardMixin:
         self._hook_handles = [opt.register_step_pre_hook(self._pre_hook),
                               opt.register_step_post_hook(self._post_hook)]
         self._attach(trainer, pl_module)
-        self._apply_pending()
+        if not self._apply_pending():
+            self.core.start_at(trainer.global_step)  # resumed without a guard state: follow global_step
         self._setup_clip(trainer)
 
     def _attach(self, trainer: Any, pl_module: Any) -> None:
