@@ -134,6 +134,8 @@ def test_state_dict_round_trip_every_stateful_class(name, quiet_cfg):
     _train(model, opt, 40, guard=guard, poison_at={30})
     guard.lr.lower()
     guard.lr.lower_layers(["lm_head"])
+    if name == "SnapshotRing":  # its saved state is the rollback count
+        guard.snapshots.restore(guard.snapshots.best(), restore_schedule=False)
     obj = {"Detectors": guard.detectors, "Policy": guard.policy, "ClipController": guard.clip,
            "LRMultiplier": guard.lr, "AdamTuner": guard.adam, "SnapshotRing": guard.snapshots}[name]
     state = obj.state_dict()
