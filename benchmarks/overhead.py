@@ -6,6 +6,11 @@ One command (CPU, ~5-10 minutes on 2 cores)::
     python benchmarks/overhead.py --quick         # ~1-minute smoke run
     python benchmarks/overhead.py --device cuda   # GPU variant (skips with a message when no GPU)
 
+Inside the engines (HF Trainer, Lightning, the plain loop; see ``benchmarks/engines.py``)::
+
+    python benchmarks/overhead.py --engines hf,lightning,plain --threads 1        # CPU, small + large Llama
+    python benchmarks/overhead.py --engines hf,lightning,plain --device cuda      # GPT-2 small, bf16, syncs
+
 Every variant trains its own copy of the same model (same init, same batches) and the variants
 are interleaved in one process: each repetition runs a block of steps of every variant in a
 rotating order, so machine noise hits all of them alike. The ratio of a variant is the median over
@@ -395,12 +400,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--variants", help="comma-separated subset of variants (baselines always run)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     ap.add_argument("--out", default=RESULTS_DIR, help="results folder")
+    ap.add_argument("--engines", help="comma-separated engines (hf, lightning, plain): measure inside the engines "
+                                      "instead of the plain-loop variants (benchmarks/engines.py)")
+    ap.add_argument("--sizes", help="with --engines: comma-separated model sizes (default small,large; cuda: "
+                                    "gpt2-small)")
+    ap.add_argument("--rounds", type=int, help="with --engines: interleaved rounds (default 7; --quick 2)")
+    ap.add_argument("--steps", type=int, help="with --engines: optimizer steps per run (default 60; --quick 20)")
+    ap.add_argument("--warm", type=int, help="with --engines: steps before the steady state (default 10; --quick 5)")
     ap.add_argument("--from-json", metavar="JSON", help="rebuild the Markdown and README table of an existing "
                                                        "results JSON (no measuring)")
     args = ap.parse_args(argv)
+    if args.engines and not args.from_json:
+        return main_engines(args, argv)
     if args.from_json:
         with open(args.from_json, encoding="utf-8") as fh:
             doc = json.load(fh)
+        if "engines_run" in doc:
+            return _write_engines(doc, os.path.dirname(args.from_json), os.path.basename(args.from_json)[:-5])
         with open(args.from_json[:-len(".json")] + ".md", "w", encoding="utf-8") as fh:
             fh.write(markdown(doc))
         table = readme_table(doc)
@@ -450,6 +466,65 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         with open(os.path.join(args.out, name), "w", encoding="utf-8") as fh:
             fh.write(table)
         print(f"README table: {os.path.join(args.out, name)}")
+    return doc
+
+
+def main_engines(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | None:
+    import engines
+
+    torch.set_num_threads(args.threads)
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print("overhead: --device cuda requested but no CUDA device is available; skipped (nothing written).")
+        return None
+    names = args.engines.split(",")
+    unknown = [e for e in names if e not in engines.RUNNERS]
+    if unknown:
+        raise SystemExit(f"overhead: --engines {unknown}: unknown; choose from {sorted(engines.RUNNERS)}")
+    sizes = args.sizes.split(",") if args.sizes else (["gpt2-small"] if cuda else ["small", "large"])
+    rounds = args.rounds or (2 if args.quick else 7)
+    steps = args.steps or (20 if args.quick else 60)
+    warm = args.warm or (5 if args.quick else 10)
+    t0 = time.perf_counter()
+    run = engines.bench(names, sizes, rounds=rounds, steps=steps, warm=warm, device=args.device)
+    tag = ("cuda-" + torch.cuda.get_device_name(0).split()[-1].lower()) if cuda else f"cpu{torch.get_num_threads()}"
+    command = "python benchmarks/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    doc = {"benchmark": "overhead-engines", "command": command.strip(), "device": args.device,
+           "environment": environment(), "engines_run": run, "seconds": round(time.perf_counter() - t0, 1)}
+    stem = f"overhead-engines-{time.strftime('%Y-%m-%d')}-{tag}" + ("-quick" if args.quick else "")
+    write_json(os.path.join(args.out, stem + ".json"), doc)
+    return _write_engines(doc, args.out, stem)
+
+
+def _write_engines(doc: dict[str, Any], out: str, stem: str) -> dict[str, Any]:
+    import engines
+
+    table = engines.table(doc)
+    env = doc["environment"]
+    md = [f"# Overhead inside the engines ({env['date']})", "",
+          f"Command: `{doc['command']}`. Machine: {env['platform']}, {env['cpu_count']} CPUs, {env['threads']} torch "
+          f"threads, torch {env['torch']}, gradguard at {env.get('git_commit', '?')}. Total {doc['seconds'] / 60:.1f} min.",
+          "", table, "", "Per-round ratios:", ""]
+    for engine, by_size in doc["engines_run"]["engines"].items():
+        for size, rows in by_size.items():
+            for v, r in rows.items():
+                md.append(f"- {engine}/{size}/`{v}` vs `{r['vs']}`: " + ", ".join(f"{x:.3f}" for x in r["ratios"])
+                          + f" (median step {r['step_ms_median']:.1f} ms"
+                          + (f", guard transfers/step {r['guard_transfers_per_step']:g}"
+                             if "guard_transfers_per_step" in r else "")
+                          + (f", CUDA syncs/step {r['cuda_syncs_per_step']:g}" if "cuda_syncs_per_step" in r else "")
+                          + ")")
+    with open(os.path.join(out, stem + ".md"), "w", encoding="utf-8") as fh:
+        fh.write("\n".join(md) + "\n")
+    print(table)
+    print(f"results: {os.path.join(out, stem)}.{{md,json}}")
+    custom = ("--quick", "--sizes", "--rounds", "--steps", "--warm")
+    if not any(flag in doc["command"] for flag in custom) and set(doc["engines_run"]["engines"]) == {
+            "hf", "lightning", "plain"}:
+        name = "README_overhead_engines_table.md" if doc["device"] == "cpu" else "README_overhead_engines_table_cuda.md"
+        with open(os.path.join(out, name), "w", encoding="utf-8") as fh:
+            fh.write(table)
+        print(f"README table: {os.path.join(out, name)}")
     return doc
 
 

@@ -25,7 +25,7 @@ __all__ = [
     "find_caller", "hf_callback_list", "pl_combined_loader", "pl_loader_iterator", "pl_iterator_drawn",
     "pl_restart_sampler_iter", "pl_data_fetcher", "pl_set_epoch_length", "pl_checkpoint_last_saved",
     "hf_callback_being_restored", "pl_saving_checkpoint_path",
-    "swap_class", "check_features", "versions",
+    "swap_class", "check_features", "versions", "has_foreach_support", "device_dtype_groups", "HF_NORM_METHOD", "hf_norm_pass_plain",
 ]
 
 _MISSING = object()
@@ -70,6 +70,57 @@ def set_scaler_scale(scaler: Any, value: float) -> bool:
         return False
     scale.fill_(value)
     return True
+
+
+# -- torch: foreach kernels ----------------------------------------------------------------------
+def has_foreach_support(tensors: list[torch.Tensor], device: torch.device) -> bool:
+    """Whether ``clip_grad_norm_`` would use the fused ``_foreach`` kernels for these tensors
+    (``torch.utils._foreach_utils._has_foreach_support``); plain CPU/CUDA tensors when unknown."""
+    try:
+        from torch.utils._foreach_utils import _has_foreach_support
+    except ImportError:  # pragma: no cover - older or newer torch
+        return device.type in ("cpu", "cuda") and all(type(t) is torch.Tensor for t in tensors)
+    return bool(_has_foreach_support(tensors, device))
+
+
+def device_dtype_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Positions of ``tensors`` grouped by (device, dtype) in the order ``clip_grad_norm_`` groups and
+    concatenates them (``torch.utils._foreach_utils._group_tensors_by_device_and_dtype``; its
+    group order is not first appearance); first appearance when that is unavailable."""
+    try:
+        from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+        return [list(idx) for _, idx in _group_tensors_by_device_and_dtype([tensors], with_indices=True).values()]
+    except Exception:  # noqa: BLE001 - pragma: no cover - older or newer torch
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        return list(groups.values())
+
+
+# -- transformers: the Trainer's norm pass ---------------------------------------------------------
+#: The Trainer method that unscales, measures and clips the gradients before ``optimizer.step()``
+#: (transformers >= 4.57); the HF adapter takes it over for the run.
+HF_NORM_METHOD = "_clip_grad_norm"
+
+_PLAIN_DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA",
+                      "MULTI_MUSA", "MULTI_HPU")
+
+
+def hf_norm_pass_plain(trainer: Any, model: Any) -> bool:
+    """Whether the Trainer's norm pass is a plain ``clip_grad_norm_`` over ``model.parameters()``
+    after unscaling (no DeepSpeed, FSDP, XLA, SageMaker model parallelism or DTensor gradients), so
+    gradguard can take it over; otherwise the Trainer's own pass runs. Static for a run: checked
+    once, on its first step."""
+    acc = getattr(trainer, "accelerator", None)
+    dist = getattr(getattr(acc, "distributed_type", None), "name", None)
+    if dist not in _PLAIN_DISTRIBUTED or not hasattr(acc, "unscale_gradients"):
+        return False
+    try:
+        from transformers.trainer import is_sagemaker_mp_enabled
+        sagemaker = bool(is_sagemaker_mp_enabled())
+    except ImportError:
+        sagemaker = False
+    return not sagemaker and all(type(p.grad) is torch.Tensor for p in model.parameters() if p.grad is not None)
 
 
 # -- instance-level method shadowing (schedulers, strategy.backward, training_step) ---------------
@@ -268,3 +319,16 @@ def check_features(engine: str, trainer: Any = None) -> dict[str, str]:
                   f"gradguard: {why} ({', '.join(f'{k} {x}' for k, x in v.items())}): '{action}' is disabled "
                   "for this run. Fix: install a supported version (see the README's version table)")
     return missing
+
+
+# -- wandb-workspaces: the view a Workspace saves, as JSON, and back (no server involved) --------------
+def wandb_view_dump(workspace: Any) -> dict[str, Any]:
+    """The view spec ``Workspace.save()`` uploads (``Workspace._to_model()``), as JSON data."""
+    return workspace._to_model().model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def wandb_workspace_load(view: dict[str, Any]) -> Any:
+    """A ``Workspace`` rebuilt from a view spec (``internal.View`` + ``Workspace._from_model``)."""
+    from wandb_workspaces.workspaces import Workspace, internal
+
+    return Workspace._from_model(internal.View.model_validate(view))

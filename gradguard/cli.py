@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -14,7 +15,44 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 250)")
     demo.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     demo.add_argument("--quiet", action="store_true", help="print only the table")
+    rep = sub.add_parser("report", help="one self-contained HTML report (no network) from a run's JSONL event log")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="the guard's output folder, or the events.jsonl itself")
+    rep.add_argument("-o", "--output", default=None, help="the HTML file (default: report.html next to the log)")
+    dash = sub.add_parser("dashboard", help="create a ready 'training stability' dashboard")
+    dash.add_argument("kind", choices=["wandb"], help="where (W&B workspace; TensorBoard gets its layout from the sink)")
+    dash.add_argument("--entity", default=None, help="W&B entity (team or user)")
+    dash.add_argument("--project", default=None, help="W&B project")
+    dash.add_argument("--prefix", default="", help="key prefix the engine adds (HF report_to: 'train/')")
+    dash.add_argument("--dry-run", action="store_true", help="write the workspace spec as JSON; no server, no login")
+    dash.add_argument("-o", "--output", default=None, help="the spec file for --dry-run (default: stdout)")
     args = parser.parse_args(argv)
+    if args.command == "report":
+        from .errors import ConfigError
+        from .report import write_report
+
+        try:
+            print(write_report(args.run_dir, args.output))
+        except (ConfigError, ImportError) as exc:
+            parser.exit(2, f"{exc}\n")
+        return 0
+    if args.command == "dashboard":
+        from .dashboards import create_wandb_workspace, wandb_workspace_spec
+
+        if args.dry_run:
+            spec = json.dumps(wandb_workspace_spec(entity=args.entity or "ENTITY", project=args.project or "PROJECT",
+                                                   prefix=args.prefix), indent=1)
+            if args.output:
+                with open(args.output, "w", encoding="utf-8") as fh:
+                    fh.write(spec + "\n")
+                print(args.output)
+            else:
+                print(spec)
+            return 0
+        if not args.entity or not args.project:
+            parser.error("dashboard wandb: --entity and --project are needed to create the workspace "
+                         "(or --dry-run to write its spec)")
+        print(create_wandb_workspace(entity=args.entity, project=args.project, prefix=args.prefix))
+        return 0
     if args.command == "demo":
         from .demo import format_table
         from .demo import main as run_demo

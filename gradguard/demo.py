@@ -51,7 +51,8 @@ TUNED = DemoSetting(lr=3e-3, warmup=30, clip=1.0)
 
 
 def train_run(setting: DemoSetting, *, guard_config: GuardConfig | None = None, out_dir: str | None = None,
-              data: ByteBatches | None = None, eval_batches: list | None = None) -> dict[str, Any]:
+              data: ByteBatches | None = None, eval_batches: list | None = None,
+              sinks: list | None = None) -> dict[str, Any]:
     """Train once; returns final eval loss, non-finite steps, loss curve and the guard's summary."""
     torch.manual_seed(setting.seed)
     gen = torch.Generator().manual_seed(setting.seed)
@@ -64,7 +65,7 @@ def train_run(setting: DemoSetting, *, guard_config: GuardConfig | None = None, 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     guard = None
     if guard_config is not None:
-        guard = Guard(model, opt, scheduler=sched, config=guard_config, out_dir=out_dir)
+        guard = Guard(model, opt, scheduler=sched, config=guard_config, out_dir=out_dir, sinks=sinks)
     losses: list[float] = []
     nonfinite = 0
     halted = None
@@ -113,7 +114,7 @@ def main(out: str | None = None, steps: int | None = None, seed: int = 0, quiet:
     say("[1/3] unguarded ...")
     runs["unguarded"] = train_run(explosive, data=data, eval_batches=ev)
     say("[2/3] guarded (GuardConfig()) ...")
-    cfg = GuardConfig.preset("default", output={"dir": out, "console": not quiet})
+    cfg = GuardConfig.preset("default", output={"dir": out, "console": not quiet, "metrics_interval": 1})
     runs["guarded"] = train_run(explosive, guard_config=cfg, out_dir=out, data=data, eval_batches=ev)
     say("[3/3] reference: hand-tuned (lr 3e-3, 30 warmup steps, clip 1.0) ...")
     runs["tuned"] = train_run(tuned, data=data, eval_batches=ev)
@@ -124,7 +125,24 @@ def main(out: str | None = None, steps: int | None = None, seed: int = 0, quiet:
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1, default=str)
     say(f"event log: {runs['guarded']['guard']['log']}\nsummary: {os.path.join(out, 'summary.json')}")
+    report = _write_report(runs["guarded"]["guard"]["log"], say)
+    runs["guarded"]["report"] = report
+    if report:
+        say(f"report: {report}")
     return runs
+
+
+def _write_report(log: str | None, say: Any) -> str | None:
+    """The guarded run's HTML report next to its log (None without plotly or without a log)."""
+    if not log:
+        return None
+    try:
+        from .report import write_report
+
+        return write_report(log)
+    except ImportError:
+        say("report: skipped (pip install 'gradguard[report]' for the HTML report)")
+        return None
 
 
 def format_table(runs: dict[str, dict[str, Any]]) -> str:

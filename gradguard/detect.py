@@ -55,6 +55,9 @@ class Finding:
     baseline: float | None = None
     layers: list[str] = field(default_factory=list)
     message: str = ""
+    moved_layers: list[str] = field(default_factory=list)
+    """For a loss spike: the layers whose grad norm moved most against their own baseline (the
+    likely culprits; reported only, they do not steer the per-layer LR rung)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -215,6 +218,15 @@ class GradSpikeDetector:
         self.cfg = cfg
         self.total = RobustBaseline(cfg.ema_alpha, cfg.min_rel_spread)
         self.layers: dict[str, RobustBaseline] = {}
+
+    def moved_most(self, layer_norms: dict[str, float], k: int = 3) -> list[str]:
+        """The ``k`` layers whose norm is the most times its own baseline (above 1x), largest first."""
+        ratios = []
+        for name, v in layer_norms.items():
+            b = self.layers.get(name)
+            if b is not None and b.mean is not None and b.mean > 0 and math.isfinite(v) and v > b.mean:
+                ratios.append((v / b.mean, name))
+        return [name for _, name in sorted(ratios, reverse=True)[:k]]
 
     def ratio(self, norm: float) -> float:
         """How many times the total-norm baseline this norm is (1.0 before any baseline)."""
@@ -414,8 +426,13 @@ class Detectors:
 
     def observe(self, s: Signals) -> list[Finding]:
         out: list[Finding] = []
+        moved = self.grad.moved_most(s.layer_norms)  # before the grad detector updates its baselines
         for det in self._all().values():
-            out.extend(det.observe(s))
+            found = det.observe(s)
+            for f in found:
+                if f.kind == "loss_spike" and not f.moved_layers:
+                    f.moved_layers = moved
+            out.extend(found)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -25,15 +25,17 @@ from torch import nn
 
 from ._compat import scaler_found_inf, scaler_scale, set_scaler_scale
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
+from .advice import advise
 from .config import GuardConfig
 from .contract import CheckpointSource, Collective
 from .contract import collective as default_collective
 from .detect import NORM_TAKEOVER, Detectors, Finding, Signals
 from .errors import ConfigError, GradGuardHalt, UnsupportedSetupError, is_rank0, warn
-from .measure import GradMeasurer, LayerMap, metric_key, norm_layers
+from .measure import EngineClip, GradMeasurer, LayerMap, metric_key, norm_layers
+from .oom import OomRecovery, PieceFailed
 from .policy import Action, Policy
 from .recovery import CheckpointTier, rollback_from_checkpoints, step_verdict
-from .sinks import ConsoleSink, JSONLSink, M, Sink, _clean
+from .sinks import EVENT_SCHEMA_VERSION, ConsoleSink, JSONLSink, M, Sink, _clean, package_versions
 from .snapshot import SnapshotRing, SnapshotUnavailable
 from .state import model_signature
 
@@ -63,6 +65,10 @@ class StepReport:
     diagnosis: dict[str, Any] | None = None
     healthy: bool = False
     blamed_on_data: bool = False
+    engine_norm: float | None = None
+    """The engine's own total gradient norm (its log value) when ``before_step`` took the engine's
+    norm pass over (``engine_clip``); else None."""
+    engine_coef: float | None = None
 
     @property
     def skipped(self) -> bool:
@@ -72,6 +78,24 @@ class StepReport:
 def _scaler_state(scaler: Any, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(scale tensor, found_inf tensor) of an enabled GradScaler after unscale_, without a sync."""
     return scaler_scale(scaler), scaler_found_inf(scaler, optimizer)
+
+
+def optimizer_info(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's class and each group's base LR (``initial_lr`` where a scheduler set one),
+    betas, eps and weight decay: the settings the advice for the next run starts from."""
+    groups = []
+    for g in getattr(optimizer, "param_groups", []):
+        entry: dict[str, Any] = {}
+        values = {"lr": g.get("initial_lr", g.get("lr")), "eps": g.get("eps"),
+                  "weight_decay": g.get("weight_decay"), "momentum": g.get("momentum")}
+        for key, v in values.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                entry[key] = float(v)
+        betas = g.get("betas")
+        if isinstance(betas, (tuple, list)) and all(isinstance(b, (int, float)) for b in betas):
+            entry["betas"] = [float(b) for b in betas]
+        groups.append(entry)
+    return {"class": type(optimizer).__name__, "groups": groups}
 
 
 def event_log_dir(out_dir: str) -> str:
@@ -174,8 +198,13 @@ class GuardCore:
                 sink.on_error = self._emit
         if self.snapshots is not None:
             self.snapshots.on_event = self._emit  # I/O errors and invalidations become events
-        self._emit({"type": "start", "step": 0, "layers": list(self.layers.layer_names),
-                    "config": config.to_dict()})
+        self._cause_ids: list[int] = []  # ids of the findings that the step's actions answer
+        self._optimizer_at_start = optimizer_info(self.optimizer)
+        self._last_finite_loss = float("nan")
+        self._action_log: deque[dict[str, Any]] = deque(maxlen=10_000)  # for the advice at close
+        self._emit({"type": "start", "step": 0, "schema_version": EVENT_SCHEMA_VERSION,
+                    "versions": package_versions(), "layers": list(self.layers.layer_names),
+                    "optimizer": self._optimizer_at_start, "config": config.to_dict()})
 
     # -- validation ------------------------------------------------------------------------
     def _check_optimizer_covers_model(self) -> None:
@@ -200,18 +229,21 @@ class GuardCore:
         return loss
 
     def before_step(self, loss: torch.Tensor | float | None = None, *, scaler: Any = None,
-                    drop_on_skip: bool = False) -> StepReport:
+                    drop_on_skip: bool = False, engine_clip: EngineClip | None = None) -> StepReport:
         """Call once per optimizer step, gradients final and unscaled. Measures (one sync),
         detects, decides; clips in place unless the step is to be skipped. With
         ``drop_on_skip`` a skipped step also sets every grad to None (for engines that will call
-        ``optimizer.step()`` anyway)."""
+        ``optimizer.step()`` anyway). With ``engine_clip`` (a guard that does not clip, in an engine
+        that does) the same pass also yields the engine's own total norm, and
+        :meth:`replay_engine_clip` then applies the engine's clip without a second pass."""
         cfg = self.config
         step = self.step_count + 1
         if self.snapshots is not None and not (self.snapshots.ring or self.snapshots.candidates):
             self.take_snapshot(self.step_count)  # the initial (or resumed) weights, before any update
         loss_v = self._take_loss(loss)
         scale_t, found_t = _scaler_state(scaler, self.optimizer)
-        meas = self.measurer.measure([loss_v, scale_t, found_t], reduce=self.reduce)
+        meas = self.measurer.measure([loss_v, scale_t, found_t], reduce=self.reduce, engine=engine_clip)
+        grads, self.measurer.last_grads = self.measurer.last_grads, []  # never held past this step
         loss_f, scale_f, found_f = meas.extras
         scale = None if scale_t is None else scale_f
         overflow = bool(found_t is not None and found_f > 0)
@@ -225,18 +257,20 @@ class GuardCore:
         report = StepReport(step=step, applied=not decision.skip, skip_reason=decision.skip_reason,
                             loss=sig.loss, total_norm=meas.total_norm, layer_norms=layer_norms,
                             scale=scale, overflow=overflow, findings=findings,
-                            blamed_on_data=decision.data_verdict)
+                            blamed_on_data=decision.data_verdict, engine_norm=meas.engine_norm,
+                            engine_coef=meas.engine_coef)
         if cfg.policy.act:
             clip_to = self.clip.threshold(meas.total_norm)
             report.clip_to = clip_to
-            if not decision.skip:
-                grads, _ = self.measurer.grads()
+            if not decision.skip:  # the gradients just measured (nothing ran in between)
                 report.clipped = self.clip.apply(grads, meas.total_norm, clip_to)
             self.clip.observe(meas.total_norm, clip_to)
+        self._cause_ids = []
         for f in findings:
             self.n_findings += 1
             self.culprits.update(f.layers)
-            fd = {"type": "finding", **f.to_dict()}
+            fd = {"type": "finding", "id": self.n_findings, **f.to_dict()}
+            self._cause_ids.append(self.n_findings)
             self.recent_findings.append(fd)
             self._emit(fd)
         # a quiet stall in progress: weights saved now already carry it, so they are not confirmed
@@ -275,6 +309,7 @@ class GuardCore:
                 if "to_step" in a.params:
                     self.policy.last_escalation = None  # restored weights: no cooldown
                     self._verified = True
+        step_ids, self._cause_ids = self._cause_ids, []  # later actions (relaxations, growth) answer none
         if decision.unstable:
             self.lr.mark_unstable(self._failed_mult)
             self.clip.reset_healthy()
@@ -289,6 +324,8 @@ class GuardCore:
             report.healthy = not suspect
         if decision.skip:
             self.skipped_steps += 1
+            self._emit({"type": "skip", "step": step, "reason": report.skip_reason or "skipped",
+                        "finding_ids": step_ids})
             if drop_on_skip:
                 drop_grads(self.layers.params)
             report.clipped = False
@@ -300,13 +337,21 @@ class GuardCore:
             report.diagnosis = self.diagnosis(report, next((a.reason for a in decision.actions
                                                             if a.name == "halt"), "policy halt"))
             self._emit({"type": "halt", "step": step, "message": report.diagnosis["reason"],
-                        "diagnosis": report.diagnosis})
+                        "finding_ids": step_ids, "diagnosis": report.diagnosis})
             self.write_diagnosis(report.diagnosis)
         report.lr_multiplier = self.lr.current()
         if report.applied and step % cfg.measure.log_interval == 0:
             self._before_params = [p.detach().clone() for p in self.layers.params]
         self._last = report
         return report
+
+    def replay_engine_clip(self, report: StepReport) -> torch.Tensor | None:
+        """Apply the engine's own clip measured by ``before_step(engine_clip=...)``, bit-identical to
+        ``torch.nn.utils.clip_grad_norm_`` on the same gradients (its total-norm tensor is reused, the
+        scale pass is left out when the coefficient is exactly 1). Returns that total-norm tensor,
+        or None when the engine's pass could not be taken over this step (the caller then runs
+        ``clip_grad_norm_`` itself)."""
+        return self.measurer.replay_clip(report.engine_coef)
 
     @property
     def last_report(self) -> StepReport | None:
@@ -326,6 +371,8 @@ class GuardCore:
         (e.g. an engine that cannot skip a batch before computing it)."""
         self.step_count += 1
         self.skipped_steps += 1
+        self._emit({"type": "skip", "step": self.step_count, "reason": "batch discarded by the engine",
+                    "finding_ids": []})
 
     def after_step(self, report: StepReport) -> None:
         """Call after the optimizer stepped (or not): counters, log-interval metrics."""
@@ -590,7 +637,9 @@ class GuardCore:
 
     def _record(self, a: Action) -> Action:
         self.action_counts[a.name] += 1
-        self._emit({"type": "action", **a.to_dict()})
+        event = {"type": "action", **a.to_dict(), "finding_ids": list(self._cause_ids)}
+        self._action_log.append(event)
+        self._emit(event)
         return a
 
     # -- reporting -------------------------------------------------------------------------
@@ -614,6 +663,16 @@ class GuardCore:
             m[f"{M.GRAD_NORM_LAYER}/{metric_key(name)}"] = v
         for i, g in enumerate(self.optimizer.param_groups):
             m[f"{M.LR}/group{i}"] = float(g["lr"]) * self.lr.current()
+            m[f"{M.LR_SCHEDULED}/group{i}"] = float(g["lr"])
+        if report.loss is not None and math.isfinite(report.loss):
+            self._last_finite_loss = report.loss
+        events = [a.name for a in report.actions]
+        if report.skipped and not report.halt and "rollback" not in events:
+            events.append("skip")
+        if report.halt:
+            events.append("halt")
+        for name in events:  # points a line plot overlays on the loss
+            m[f"{M.EVENT}/{name}"] = self._last_finite_loss
         for name, c in self.action_counts.items():
             m[f"{M.ACTION}/{name}"] = float(c)
         if self._before_params is not None:
@@ -636,13 +695,17 @@ class GuardCore:
             "actions_tried": dict(self.action_counts), "skipped_steps": self.skipped_steps,
             "lr_multiplier": self.lr.global_mult, "max_grad_norm": self.clip.max_norm,
             "recent_findings": list(self.recent_findings)[-10:],
+            "advice": self.summary()["advice"],
         }
 
     def summary(self) -> dict[str, Any]:
-        return {"steps": self.step_count, "applied": self.applied_steps, "skipped": self.skipped_steps,
-                "findings": self.n_findings, "actions": dict(self.action_counts),
-                "lr_multiplier": self.lr.global_mult, "max_grad_norm": self.clip.max_norm,
-                "log": self.log_path}
+        out = {"steps": self.step_count, "applied": self.applied_steps, "skipped": self.skipped_steps,
+               "findings": self.n_findings, "actions": dict(self.action_counts),
+               "lr_multiplier": self.lr.global_mult, "max_grad_norm": self.clip.max_norm,
+               "log": self.log_path}
+        out["advice"] = advise(actions=list(self._action_log), summary=out, config=self.config.to_dict(),
+                               optimizer=self._optimizer_at_start)
+        return out
 
     def close(self) -> dict[str, Any]:
         """Write the summary, close the sinks and take the LR hooks off the optimizer (idempotent)."""
@@ -748,6 +811,7 @@ class Guard(GuardCore):
         self._step_scheduler = scheduler is not None and not isinstance(scheduler, plateau)
         self.batches = batches
         self.halted: dict[str, Any] | None = None
+        self.oom = OomRecovery(self, lambda: list(self.model.parameters()), self._shrink_micro_to, monitor_too=True)
         if batches is not None:
             self.attach_data_skip(self._skip_data)
             self.attach_batches(batches)
@@ -770,31 +834,47 @@ class Guard(GuardCore):
             raise ConfigError("gradguard: Guard.accumulate needs a batch controller. Fix: "
                              "Guard(..., batches=gradguard.data.BatchController(dataset, batch_size))")
         total = len(batch)
-        while True:
-            acc: torch.Tensor | None = None
-            try:
-                for mb, n in batch.micro_batches(self.batches.micro_batch_size):
-                    loss = loss_fn(mb)
-                    weighted = loss * (n / total)
-                    (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
-                    acc = weighted.detach() if acc is None else acc + weighted.detach()
-                    del loss, weighted
-                break
-            except torch.OutOfMemoryError as exc:
-                acc = None
-                drop_grads(list(self.model.parameters()))  # partial gradients of the failed attempt
-                import gc
+        ctl = self.batches
 
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                moved = self.batches.shrink_micro()
-                if moved is None:
-                    raise
-                self._record(Action("oom_shrink_micro", self.step_count + 1, f"out of memory: {str(exc)[:120]}",
-                                    {"micro_batch": list(moved), "accumulation": self.batches.accumulation_steps}))
+        def run(micro: int) -> torch.Tensor | None:
+            acc: torch.Tensor | None = None
+            for mb, n in batch.micro_batches(micro):
+                loss = loss_fn(mb)
+                weighted = loss * (n / total)
+                (self.scaler.scale(weighted) if self.scaler is not None else weighted).backward()
+                acc = weighted.detach() if acc is None else acc + weighted.detach()
+                del loss, weighted
+            return acc
+
+        micro, message = ctl.micro_batch_size, ""
+        try:
+            acc = run(micro)
+        except torch.OutOfMemoryError as exc:
+            if not self.oom.can_recover(min(micro, total), self.collective.world_size):
+                raise
+            message = f"{type(exc).__name__}: {exc}"[:160]
+            acc = None
+        if message:
+            # the core's rule (gradguard.oom): the whole step is run again (nothing earlier to keep),
+            # its micro-batches split into pieces until they fit; the controller's micro-batch follows
+
+            def attempt(parts: int) -> torch.Tensor | None:
+                try:
+                    return run(-(-micro // parts))
+                except torch.OutOfMemoryError:
+                    raise PieceFailed(True) from None
+
+            acc = self.oom.recover(attempt, samples=min(micro, total), message=message, touched=True,
+                                   earlier_grads=False)
         self._loss_sum, self._loss_n = acc, 1
         return float("nan") if acc is None else float(acc)
+
+    def _shrink_micro_to(self, fits: int) -> tuple[int, int] | None:
+        ctl = self.batches
+        start = ctl.micro_batch_size
+        while ctl.micro_batch_size > fits and ctl.shrink_micro() is not None:
+            pass
+        return (start, ctl.micro_batch_size) if ctl.micro_batch_size < start else None
 
     def step(self, loss: torch.Tensor | float | None = None) -> StepReport:
         opt = self.user_optimizer

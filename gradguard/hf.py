@@ -6,8 +6,11 @@
 How the Trainer's events map onto the core:
 
 * ``on_train_begin``: validates the setup, builds the core on the Trainer's model, optimizer, LR
-  scheduler and GradScaler, and sets ``args.max_grad_norm = inf`` so the Trainer still unscales
-  and measures the gradients but never clips them (gradguard clips, reusing its own norms).
+  scheduler and GradScaler, and sets ``args.max_grad_norm = inf`` so the Trainer never clips by
+  itself. The Trainer's norm pass (``_clip_grad_norm``) is taken over for the run: it unscales
+  (fp16) and runs ``core.before_step``, whose one fused pass gives the per-layer norms, the guard's
+  clip, and the ``grad_norm`` value the Trainer logs (in monitor mode the Trainer's own
+  ``max_grad_norm`` clip is replayed from the same norms, bit-identical to ``clip_grad_norm_``).
   ``args.max_grad_norm`` (when finite and > 0) becomes the guard's starting ``clip.max_norm``; it is
   put back at the end of training, and written with the guard's current value into checkpoints.
 * a forward hook on the model reads ``outputs.loss`` of every training micro-batch; the step's loss
@@ -45,7 +48,16 @@ from typing import Any
 
 import torch
 
-from ._compat import check_features, find_caller, hf_callback_being_restored, hf_callback_list
+from ._compat import (
+    HF_NORM_METHOD,
+    check_features,
+    find_caller,
+    hf_callback_being_restored,
+    hf_callback_list,
+    hf_norm_pass_plain,
+    shadow_method,
+    unshadow_method,
+)
 from ._hf.checkpoints import STATE_FILE, TrainerCheckpoints, find_resume_state, write_state_file
 from ._hf.loader import TrainerLoader
 from ._hf.setup import log_entries, unsupported
@@ -64,6 +76,7 @@ from .adapter import (
 from .config import GuardConfig
 from .errors import StateError
 from .guard import GuardCore, StepReport
+from .measure import EngineClip
 from .policy import Action
 from .sinks import M, Sink
 
@@ -140,6 +153,9 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self._halt = HaltLatch(halt_raises(self.config, self.raise_on_halt))
         self._args: Any = None
         self._batches: TrainerLoader | None = None
+        self._decided = False  # this step's decision was taken in the Trainer's norm pass
+        self._norm_plain: bool | None = None  # the Trainer's norm pass can be taken over (first step)
+        self._norm_shadow: tuple[Any, Any, Any] | None = None  # (trainer, wrapper, previous)
 
     # -- compatibility with earlier attribute names ----------------------------------------------
     @property
@@ -249,6 +265,13 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         runner.trainer = trainer
         if trainer is not None and may_wrap(cfg):  # monitor mode changes nothing, OOM handling included
             runner.wrap(trainer)
+        if trainer is not None and hasattr(trainer, HF_NORM_METHOD):
+            orig_norm = getattr(trainer, HF_NORM_METHOD)
+
+            def norm_pass(model: Any) -> Any:
+                return self._engine_norm_pass(orig_norm, model)
+
+            self._norm_shadow = (trainer, norm_pass, shadow_method(trainer, HF_NORM_METHOD, norm_pass))
         self._held = SchedulerHold([lr_scheduler])
         self._hook = model.register_forward_hook(self._forward_hook, with_kwargs=True)
         args.max_grad_norm = math.inf  # keep unscaling + measuring in the Trainer, never its clipping
@@ -291,10 +314,12 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self.core.emit({"type": "resume", "step": state.global_step, "restored": True,
                          "guard_step": self.core.step_count})
 
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def _pre_step(self) -> StepReport | None:
+        """The step's decision (gradients accumulated and unscaled): ``core.before_step``, the
+        Trainer's own clip replayed when the guard does not clip. None for a step whose data was
+        skipped."""
         core, runner = self.core, self.runner
-        if core is None or runner is None:
-            return
+        assert core is not None and runner is not None
         loss = runner.take_step_loss()
         runner.micro_in_step = 0
         if runner.discard_left > 0 or runner.poisoned:
@@ -305,22 +330,49 @@ class GradGuardCallback(TrainerCallback, ExportableState):
                 runner.discard_left -= 1
             drop_grads(runner.params)
             self._held.hold()
-            self._report = None
             core.discard_step()
-            return
-        report = core.before_step(loss=loss, scaler=self._scaler, drop_on_skip=True)
-        self._report = report
-        if report.applied and self._replay_clip is not None:
-            torch.nn.utils.clip_grad_norm_(runner.params, self._replay_clip)
+            return None
+        replay = self._replay_clip
+        engine = EngineClip(runner.params, replay) if replay is not None else None
+        report = core.before_step(loss=loss, scaler=self._scaler, drop_on_skip=True, engine_clip=engine)
+        if report.applied and replay is not None and core.replay_engine_clip(report) is None:
+            report.engine_norm = float(torch.nn.utils.clip_grad_norm_(runner.params, replay))
         if report.skipped:
             self._held.hold()
-        if report.halt:
+        return report
+
+    def _engine_norm_pass(self, orig: Any, model: Any) -> Any:
+        """The Trainer's ``_clip_grad_norm``, taken over: unscale (fp16), then the step's one pass over
+        the gradients in ``core.before_step`` (the guard's clip, or the Trainer's replayed bit for bit);
+        returns the total norm for the Trainer's ``grad_norm`` log."""
+        trainer = self.runner.trainer if self.runner is not None else None
+        if self._norm_plain is None and trainer is not None:
+            self._norm_plain = hf_norm_pass_plain(trainer, model)
+        if self.core is None or trainer is None or self._decided or not self._norm_plain:
+            return orig(model)
+        trainer.accelerator.unscale_gradients()
+        report = self._report = self._pre_step()
+        self._decided = True
+        if report is None:
+            return None  # no gradients this step: the Trainer logs no grad_norm for it
+        return report.engine_norm if report.engine_norm is not None else report.total_norm
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.core is None or self.runner is None:
+            return
+        if self._decided:  # the Trainer's norm pass was taken over: decided there
+            self._decided = False
+            report = self._report
+        else:
+            report = self._report = self._pre_step()
+        if report is not None and report.halt:
             self._halt.trip(report.diagnosis)
             self.diagnosis = self._halt.diagnosis
             control.should_training_stop = True
             control.should_save = True
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._decided = False  # a step interrupted earlier (an exception) never leaves its decision behind
         if self.runner is not None:
             self.runner.micro_in_step = 0
 
@@ -395,6 +447,9 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self._control = self._tstate = None
         if self.runner is not None:
             self.runner.unwrap()
+        if self._norm_shadow is not None:
+            unshadow_method(self._norm_shadow[0], HF_NORM_METHOD, self._norm_shadow[1], self._norm_shadow[2])
+            self._norm_shadow = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

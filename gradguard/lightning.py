@@ -44,6 +44,7 @@ import torch
 
 from ._compat import check_features, pl_saving_checkpoint_path, scaler_scale
 from ._lightning.checkpoints import ModelCheckpointFiles
+from ._lightning.clip import ClipTakeover
 from ._lightning.loader import TrainerLoader
 from ._lightning.setup import LightningLoggerSink, unsupported
 from ._lightning.steps import StepWrappers
@@ -101,6 +102,7 @@ class _GradGuardMixin:
         self.reports: int = 0
         self.batches: TrainerLoader | None = None
         self.steps = StepWrappers(self)
+        self.clip_takeover = ClipTakeover()  # monitor mode: Lightning's norm clip replayed from the guard's pass
         self.ckpt_files = ModelCheckpointFiles("")
         self._halt = HaltLatch(halt_raises(config))
         self._pending_state: dict[str, Any] | None = None
@@ -129,7 +131,7 @@ class _GradGuardMixin:
 
     @property
     def oom_events(self) -> int:
-        return self.steps.oom_events
+        return self.steps.oom.events if self.steps.oom is not None else 0
 
     @property
     def _poisoned(self) -> bool:
@@ -246,6 +248,7 @@ class _GradGuardMixin:
         self.steps.remove()
         if may_wrap(core.config):  # monitor mode wraps nothing
             self.steps.install(trainer, pl_module)
+        self.clip_takeover.install(trainer, pl_module, core)
 
     def _setup_clip(self, trainer: Any) -> None:
         if self._manage_clip and self.core is not None:
@@ -274,16 +277,19 @@ class _GradGuardMixin:
         if self.core is not None:
             self.core.close()
         self.steps.remove()
+        self.clip_takeover.remove()
         self._halt.finish()  # GradGuardHalt after the save, unless output.halt_raises is False
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.steps.remove()
+        self.clip_takeover.remove()
         if self.core is not None:
             self.core.close()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self.steps.remove()
+            self.clip_takeover.remove()
             self._held.release()
             if self.core is not None:
                 self.core.close()
@@ -293,6 +299,7 @@ class _GradGuardMixin:
             h.remove()
         self._hook_handles = []
         self.steps.remove()
+        self.clip_takeover.remove()
         if self.core is not None:
             self.core.detach()
         self.core = None
@@ -341,7 +348,9 @@ class _GradGuardMixin:
                 skip = True
                 self._report = None
             else:
-                report = core.before_step(scaler=self.scaler, drop_on_skip=True)
+                engine = self.clip_takeover.engine_clip(trainer, optimizer)
+                report = core.before_step(scaler=self.scaler, drop_on_skip=True, engine_clip=engine)
+                self.clip_takeover.measured(core, engine, report)
                 self._report = self.last_report = report
                 self.reports += 1
                 if report.halt:

@@ -6,14 +6,16 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from ._compat import device_dtype_groups, has_foreach_support
 from .errors import UnsupportedSetupError
 
-__all__ = ["default_layer_name", "LayerMap", "Measurement", "GradMeasurer", "metric_key", "norm_layers",
-           "is_norm_module"]
+__all__ = ["default_layer_name", "LayerMap", "Measurement", "EngineClip", "GradMeasurer", "metric_key",
+           "norm_layers", "is_norm_module", "fused_layer_sq_norms", "accumulation_dtype"]
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
 
@@ -170,80 +172,260 @@ class Measurement:
     extras: list[float] = field(default_factory=list)
     nonfinite_layers: list[str] = field(default_factory=list)
     syncs: int = 1
+    engine_norm: float | None = None
+    """The engine's own total norm (``clip_grad_norm_``'s value, bit for bit) when an
+    :class:`EngineClip` was measured."""
+    engine_coef: float | None = None
+    """``clip_grad_norm_``'s clamped coefficient for the engine's clip (1.0: nothing to scale)."""
 
 
-def _fused_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    try:
-        return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
-    except Exception:  # sparse, mixed devices, old torch: fall back to one norm per tensor
-        out = []
-        for g in grads:
-            if g.is_sparse:
-                g = g.coalesce()._values()
-            out.append(torch.linalg.vector_norm(g, 2, dtype=torch.float32))
-        return out
+@dataclass
+class EngineClip:
+    """The engine's own norm pass (and clip), taken over by the measurement: ``params`` in the order
+    the engine passes them to ``torch.nn.utils.clip_grad_norm_`` and the ``max_norm`` it clips to.
+    The measurement then computes the per-tensor norms exactly as ``clip_grad_norm_`` does (native
+    dtype, same kernels, same grouping by device and dtype) and derives both the per-layer values
+    and the engine's total from them: one pass over the gradients instead of two, and
+    :meth:`GradMeasurer.replay_clip` scales exactly as ``clip_grad_norm_`` would."""
+
+    params: list[torch.Tensor]
+    max_norm: float
+
+
+def _norm_dtype(dtype: torch.dtype, native: bool) -> torch.dtype | None:
+    """The dtype a gradient's norm is computed in: its own for 32- and 64-bit floats (and for every
+    float when ``native``, as ``clip_grad_norm_`` computes it), float32 for 16-bit ones."""
+    if native or dtype in (torch.float32, torch.float64) or not dtype.is_floating_point:
+        return None
+    return torch.float32
+
+
+def _norms(tensors: list[torch.Tensor], dtype: torch.dtype | None, foreach: bool | None = None) -> list[torch.Tensor]:
+    """L2 norm of each tensor (one fused kernel where ``clip_grad_norm_`` uses one; ``foreach``: that
+    answer, already known)."""
+    if foreach is None:
+        foreach = bool(tensors) and has_foreach_support(tensors, tensors[0].device)
+    if foreach:
+        try:
+            return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+        except Exception:  # noqa: BLE001 - an old or partial kernel: one norm per tensor below
+            pass
+    out = []
+    for g in tensors:
+        if g.is_sparse:
+            g = g.coalesce()._values()
+        out.append(torch.linalg.vector_norm(g, 2, dtype=dtype))
+    return out
+
+
+def _groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Positions of ``tensors`` grouped by (device, dtype), in ``clip_grad_norm_``'s group order."""
+    if len(tensors) < 2 or all(t.dtype == tensors[0].dtype and t.device == tensors[0].device for t in tensors):
+        return [list(range(len(tensors)))]
+    return device_dtype_groups(tensors)
+
+
+def accumulation_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    """float64 when any tensor is float64, else float32: the dtype per-layer sums are kept in."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def fused_layer_sq_norms(grads: list[torch.Tensor], groups: list[list[int]], index: torch.Tensor,
+                         out: torch.Tensor, *, native: bool = False,
+                         foreach: list[bool] | None = None) -> list[torch.Tensor | None]:
+    """The step's one pass over the gradients: per-tensor L2 norms (one fused kernel per (device,
+    dtype) group of ``groups``), squared and summed per layer into ``out`` (``out[l]`` = sum of the
+    squared norms of the gradients whose ``index`` entry is ``l``; ``index`` follows the
+    concatenation of ``groups``). ``out`` is zeroed here and sets the sums' device and dtype.
+
+    Norms are computed in each gradient's own dtype for float32/float64 and in float32 for 16-bit
+    gradients, unless ``native``: then in their own dtype too, exactly as ``clip_grad_norm_``
+    computes them (so that the engine's total can be derived from them). ``foreach``: per group,
+    whether the fused kernel applies (computed when not given). Returns the per-tensor norms in the
+    order of ``grads``."""
+    per_tensor: list[torch.Tensor | None] = [None] * len(grads)
+    parts = []
+    for k, positions in enumerate(groups):
+        ts = grads if len(positions) == len(grads) else [grads[i] for i in positions]
+        norms = _norms(ts, _norm_dtype(ts[0].dtype, native), None if foreach is None else foreach[k])
+        for i, n in zip(positions, norms):
+            per_tensor[i] = n
+        stacked = torch.stack([n.to(norms[0].device) for n in norms]) if len(groups) > 1 else torch.stack(norms)
+        if stacked.device != out.device or stacked.dtype != out.dtype:
+            stacked = stacked.to(device=out.device, dtype=out.dtype, non_blocking=True)
+        parts.append(stacked)
+    sq = (parts[0] if len(parts) == 1 else torch.cat(parts)).square()
+    out.zero_().index_add_(0, index, sq)
+    return per_tensor
+
+
+class _Plan:
+    """How one set of gradients is measured: (device, dtype) groups, the layer of each norm (in the
+    groups' order) on the device, the dtype of the per-layer sums."""
+
+    __slots__ = ("groups", "index", "device", "dtype", "foreach")
+
+    def __init__(self, grads: list[torch.Tensor], owners: list[int]) -> None:
+        self.groups = _groups(grads)
+        self.foreach = [has_foreach_support([grads[i] for i in g], grads[g[0]].device) for g in self.groups]
+        self.device = grads[0].device
+        self.dtype = accumulation_dtype(grads)
+        order = [owners[i] for g in self.groups for i in g]
+        self.index = torch.tensor(order, device=self.device, dtype=torch.long)
 
 
 class GradMeasurer:
-    """Per-layer L2 norms of the current gradients (plus any extra scalars) in one transfer."""
+    """Per-layer L2 norms of the current gradients (plus any extra scalars) in one transfer.
+
+    The hot path allocates no host memory per step: the packed device buffer, the layer index and
+    (on CUDA) a pinned host buffer and an event are kept; the single host read is one
+    non-blocking copy into the pinned buffer and one wait on its event."""
 
     def __init__(self, layers: LayerMap) -> None:
         self.layers = layers
-        self._index_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+        self._plans: dict[Any, _Plan] = {}
+        self._buf: torch.Tensor | None = None  # [layer sums | extras | engine total, coef]
+        self._host: torch.Tensor | None = None  # pinned mirror of _buf (CUDA)
+        self._event: Any = None
+        self.last_grads: list[torch.Tensor] = []  # the gradients of the last measure(): the caller clears it
+        self._engine_total: torch.Tensor | None = None  # the last EngineClip's total norm (device)
+        self._engine: EngineClip | None = None
         self.transfers = 0  # host-device transfers made by measure(): one per call
 
     def grads(self) -> tuple[list[torch.Tensor], list[int]]:
         grads, owners = [], []
         for p, li in zip(self.layers.params, self.layers.layer_index):
-            if p.grad is not None:
-                grads.append(p.grad)
+            g = p.grad
+            if g is not None:
+                grads.append(g)
                 owners.append(li)
         return grads, owners
 
+    def _plan(self, grads: list[torch.Tensor], owners: list[int]) -> _Plan:
+        g0 = grads[0]
+        key = (self.layers.version, len(grads), g0.device, g0.dtype, grads[-1].dtype,
+               None if len(grads) == len(self.layers.params) else tuple(owners))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 8:
+                self._plans.clear()
+            plan = self._plans[key] = _Plan(grads, owners)
+        return plan
+
+    def _buffer(self, device: torch.device, dtype: torch.dtype, size: int) -> torch.Tensor:
+        buf = self._buf
+        if buf is None or buf.device != device or buf.dtype != dtype or buf.numel() != size:
+            buf = self._buf = torch.zeros(size, device=device, dtype=dtype)
+            self._host = None
+            if device.type == "cuda":
+                self._host = torch.empty(size, dtype=dtype, pin_memory=True)
+                self._event = torch.cuda.Event()
+        return buf
+
+    def _engine_total_of(self, engine: EngineClip, grads: list[torch.Tensor],
+                per_tensor: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``clip_grad_norm_``'s total norm and clamped coefficient for the engine's parameters, from
+        the norms just computed (None when the engine clips a gradient the layer map does not hold)."""
+        pos = {id(g): i for i, g in enumerate(grads)}
+        engine_grads = [p.grad for p in engine.params if p.grad is not None]
+        if not engine_grads:
+            return None
+        picked = []
+        for g in engine_grads:
+            i = pos.get(id(g))
+            if i is None:
+                return None
+            picked.append(per_tensor[i])
+        first = engine_grads[0].device
+        norms = [picked[i] for grp in _groups(engine_grads) for i in grp]  # clip_grad_norm_'s order
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2)  # type: ignore[union-attr]
+        coef = torch.clamp(engine.max_norm / (total + 1e-6), max=1.0)
+        return total, coef
+
     def measure(self, extras: Iterable[torch.Tensor | float | None] = (),
-                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Measurement:
+                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                engine: EngineClip | None = None) -> Measurement:
         """Squared per-layer norms and the extras are packed into one tensor; ``reduce`` (e.g. a
         DDP all-reduce mean) may combine it across ranks before the single host transfer, so every
-        rank sees the same values and takes the same decisions."""
+        rank sees the same values and takes the same decisions. With ``engine`` the engine's own
+        norm pass is taken over (see :class:`EngineClip`)."""
         self.layers.sync()  # parameters unfrozen or added to the optimizer since the last step
         grads, owners = self.grads()
+        self.last_grads = grads
         n_layers = len(self.layers)
-        if grads:
-            device = grads[0].device
-            norms = [n if n.device == device else n.to(device, non_blocking=True)
-                     for n in _fused_norms(grads)]
-            key = (device, tuple(owners))
-            index = self._index_cache.get(key)
-            if index is None:
-                if len(self._index_cache) > 8:
-                    self._index_cache.clear()
-                index = torch.tensor(owners, device=device, dtype=torch.long)
-                self._index_cache[key] = index
-            sq = torch.stack(norms).square()
-            layer_sq = torch.zeros(n_layers, device=device, dtype=torch.float32).index_add_(0, index, sq)
+        extra_list = list(extras)
+        n_extra = len(extra_list)
+        self._engine_total, self._engine = None, None
+        plan = self._plan(grads, owners) if grads else None
+        device = plan.device if plan is not None else torch.device("cpu")
+        dtype = plan.dtype if plan is not None else torch.float32
+        size = n_layers + n_extra + (2 if engine is not None else 0)
+        buf = self._buffer(device, dtype, size)
+        engine_vals = None
+        if plan is not None:
+            try:
+                per_tensor = fused_layer_sq_norms(grads, plan.groups, plan.index, buf[:n_layers],
+                                                  native=engine is not None, foreach=plan.foreach)
+            except RuntimeError:  # a gradient changed dtype or device under a cached plan
+                self._plans.clear()
+                plan = self._plan(grads, owners)
+                per_tensor = fused_layer_sq_norms(grads, plan.groups, plan.index, buf[:n_layers],
+                                                  native=engine is not None)
+            if engine is not None:
+                engine_vals = self._engine_total_of(engine, grads, per_tensor)
         else:
-            device = torch.device("cpu")
-            layer_sq = torch.zeros(n_layers)
-        extra_list = [e for e in extras]
-        values = [layer_sq]
-        if extra_list:
-            values.append(torch.stack([
-                (e.detach().reshape(()).to(device=device, dtype=torch.float32)
-                 if isinstance(e, torch.Tensor)
-                 else torch.tensor(float("nan") if e is None else float(e), device=device))
-                for e in extra_list
-            ]))
-        packed = torch.cat(values)
-        if reduce is not None:
-            packed = reduce(packed)
-        host = packed.tolist()  # the one host-device sync of the step
+            buf[:n_layers].zero_()
+        for i, e in enumerate(extra_list):
+            slot = buf[n_layers + i]
+            if isinstance(e, torch.Tensor):
+                slot.copy_(e.detach().reshape(()), non_blocking=True)
+            else:
+                slot.fill_(float("nan") if e is None else float(e))
+        if engine is not None:
+            tail = buf[n_layers + n_extra:]
+            if engine_vals is None:
+                tail.fill_(float("nan"))
+            else:
+                tail[0].copy_(engine_vals[0])
+                tail[1].copy_(engine_vals[1])
+                self._engine_total, self._engine = engine_vals[0], engine
+        packed = reduce(buf) if reduce is not None else buf
+        host = self._read(packed)  # the one host-device sync of the step
         self.transfers += 1
         layer_sq_h = host[:n_layers]
         layer_norms = [v ** 0.5 for v in layer_sq_h]  # inf and nan stay as they are
         total = sum(layer_sq_h) ** 0.5
         bad = [self.layers.layer_names[i] for i, v in enumerate(layer_norms) if not math.isfinite(v)]
-        return Measurement(layer_norms=layer_norms, total_norm=total, extras=host[n_layers:],
+        meas = Measurement(layer_norms=layer_norms, total_norm=total, extras=host[n_layers:n_layers + n_extra],
                            nonfinite_layers=bad)
+        if engine_vals is not None:
+            meas.engine_norm, meas.engine_coef = host[n_layers + n_extra], host[n_layers + n_extra + 1]
+        return meas
+
+    def _read(self, packed: torch.Tensor) -> list[float]:
+        host = self._host
+        if packed.device.type != "cuda" or host is None or host.numel() != packed.numel() \
+                or host.dtype != packed.dtype:
+            return packed.tolist()
+        host.copy_(packed, non_blocking=True)
+        self._event.record()
+        self._event.synchronize()
+        return host.tolist()
+
+    @torch.no_grad()
+    def replay_clip(self, coef: float | None = None) -> torch.Tensor | None:
+        """Scale the gradients of the last measured :class:`EngineClip` exactly as
+        ``clip_grad_norm_`` would have (same total norm tensor, same coefficient, same kernels);
+        returns that total norm tensor (the engine's log value), or None when the last measurement
+        could not take the engine's pass over (then call ``clip_grad_norm_`` itself). With the
+        measured ``coef`` at 1.0 the scale pass (a multiplication by exactly 1) is left out."""
+        total, engine = self._engine_total, self._engine
+        self._engine_total, self._engine = None, None
+        if total is None or engine is None:
+            return None
+        if coef is None or not coef >= 1.0:  # nan scales too, as clip_grad_norm_ does
+            torch.nn.utils.clip_grads_with_norm_(engine.params, engine.max_norm, total)
+        return total
 
     @torch.no_grad()
     def param_norms(self) -> list[float]:
@@ -253,11 +435,12 @@ class GradMeasurer:
     @torch.no_grad()
     def _layer_norms_of(self, tensors: list[torch.Tensor]) -> list[float]:
         device = tensors[0].device
-        norms = [n.to(device) for n in _fused_norms(tensors)]
-        index = torch.tensor(self.layers.layer_index, device=device)
-        layer_sq = torch.zeros(len(self.layers), device=device).index_add_(0, index, torch.stack(norms).square())
+        groups = _groups(tensors)
+        index = torch.tensor([self.layers.layer_index[i] for g in groups for i in g], device=device)
+        out = torch.zeros(len(self.layers), device=device, dtype=accumulation_dtype(tensors))
+        fused_layer_sq_norms(tensors, groups, index, out)
         self.transfers += 1
-        return [v ** 0.5 for v in layer_sq.tolist()]
+        return [v ** 0.5 for v in out.tolist()]
 
     @torch.no_grad()
     def update_ratios(self, before: list[torch.Tensor]) -> tuple[list[float], list[float]]:

@@ -11,7 +11,39 @@ from typing import Any, TextIO
 from . import _io
 from .errors import warn
 
-__all__ = ["Sink", "JSONLSink", "ConsoleSink", "MemorySink", "TensorBoardSink", "WandbSink", "M"]
+__all__ = ["Sink", "JSONLSink", "ConsoleSink", "MemorySink", "TensorBoardSink", "WandbSink", "M",
+           "EVENT_SCHEMA_VERSION", "event_schema", "package_versions"]
+
+EVENT_SCHEMA_VERSION = 1
+"""Version of the JSONL event records (``gradguard/schema/events.schema.json``), in the ``start``
+record; raised when a field changes meaning or goes away (new fields and record types keep it)."""
+
+
+def event_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of the JSONL event records, shipped with the package."""
+    from importlib import resources
+
+    return json.loads(resources.files("gradguard").joinpath("schema/events.schema.json").read_text("utf-8"))
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of python, gradguard, torch and of the engines already imported (for the ``start`` record)."""
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist, module in (("gradguard", "gradguard"), ("torch", "torch"), ("transformers", "transformers"),
+                         ("accelerate", "accelerate"), ("lightning", "lightning"),
+                         ("pytorch-lightning", "pytorch_lightning")):
+        if module not in sys.modules:
+            continue
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = getattr(sys.modules[module], "__version__", None)
+            if isinstance(version, str):
+                out[dist] = version
+    return out
 
 
 class M:
@@ -22,7 +54,8 @@ class M:
     GRAD_NORM_LAYER = "gradguard/grad_norm"  # + /<layer>
     PARAM_NORM_LAYER = "gradguard/param_norm"  # + /<layer>
     UPDATE_RATIO_LAYER = "gradguard/update_ratio"  # + /<layer>
-    LR = "gradguard/lr"  # + /group<i>
+    LR = "gradguard/lr"  # + /group<i>: the applied LR (the scheduler's x the multiplier)
+    LR_SCHEDULED = "gradguard/lr_scheduled"  # + /group<i>: the scheduler's LR, before the multiplier
     LR_MULT = "gradguard/lr_multiplier"
     MAX_NORM = "gradguard/max_grad_norm"
     SCALE = "gradguard/loss_scale"
@@ -32,6 +65,7 @@ class M:
     FINDINGS = "gradguard/findings"
     ACTION = "gradguard/action"  # + /<name>: cumulative count
     LEVEL = "gradguard/ladder_level"
+    EVENT = "gradguard/event"  # + /<action name>, /skip, /halt: at that step only, valued the step's loss
 
 
 def _clean(v: Any) -> Any:
@@ -176,6 +210,10 @@ class ConsoleSink(Sink):
         acts = ", ".join(f"{k} x{v}" for k, v in summary.get("actions", {}).items()) or "none"
         print(f"{self.prefix} summary: {summary.get('steps', 0)} steps, {summary.get('skipped', 0)} skipped, "
               f"{summary.get('findings', 0)} findings, actions: {acts}", file=self.stream, flush=True)
+        advice = summary.get("advice") or {}
+        if advice.get("settings"):  # only when the guard had to change something
+            for line in advice.get("lines", []):
+                print(f"{self.prefix} next run: {line}", file=self.stream, flush=True)
 
 
 def _fmt(v: Any) -> str:
@@ -195,11 +233,14 @@ def _event_text(event: dict[str, Any]) -> str:
 class TensorBoardSink(Sink):
     """Metrics as TensorBoard scalars; actions and halts as text under ``gradguard/events``.
 
-    The cumulative per-action counts are already scalars (``gradguard/action/<name>``)."""
+    The cumulative per-action counts are already scalars (``gradguard/action/<name>``). Once per
+    run the sink writes the "training stability" custom-scalars layout
+    (:func:`gradguard.dashboards.tensorboard_layout`, the CUSTOM SCALARS tab); ``layout=False``
+    leaves the writer's layout alone."""
 
     TEXT_TAG = "gradguard/events"
 
-    def __init__(self, log_dir: str, flush_secs: int = 10) -> None:
+    def __init__(self, log_dir: str, flush_secs: int = 10, layout: bool = True) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
@@ -207,6 +248,10 @@ class TensorBoardSink(Sink):
                               "Fix: pip install 'gradguard[tensorboard]'") from exc
         self.log_dir = log_dir
         self._writer: Any = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
+        if layout:
+            from .dashboards import tensorboard_layout
+
+            self._writer.add_custom_scalars(tensorboard_layout())
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if self._writer is None:

@@ -117,3 +117,34 @@ def test_overhead_cuda_skips_without_gpu(tmp_path, capsys):
     assert overhead.main(["--device", "cuda", "--out", str(tmp_path)]) is None
     assert "skipped" in capsys.readouterr().out
     assert not os.listdir(tmp_path)
+
+
+def test_engine_overhead_harness_structure(tmp_path):
+    """Every engine's variants run on a tiny model; the guarded ones make one transfer per step; the
+    results file, the Markdown and the table are written; no README table for a custom run."""
+    doc = overhead.main(["--engines", "plain,hf,lightning", "--sizes", "tiny", "--rounds", "1", "--steps", "4",
+                         "--warm", "2", "--threads", "1", "--out", str(tmp_path)])
+    run = doc["engines_run"]
+    assert set(run["engines"]) == {"plain", "hf", "lightning"}
+    for engine, variants in (("hf", {"none", "clip", "monitor", "default"}),
+                             ("lightning", {"none", "clip", "grad_norm_log", "monitor", "default"}),
+                             ("plain", {"none", "clip", "monitor", "default"})):
+        rows = run["engines"][engine]["tiny"]
+        assert set(rows) == variants
+        for v, r in rows.items():
+            assert r["step_ms_median"] > 0 and len(r["ratios"]) == 1
+            if v in ("monitor", "default"):
+                assert r["guard_transfers_per_step"] == 1
+    core = run["core_python"]["tiny"]
+    assert 0 < core["detect_policy_us"] and 0 < core["measure_us"]
+    files = sorted(os.listdir(tmp_path))
+    assert any(f.endswith(".json") for f in files) and any(f.endswith(".md") for f in files)
+    assert not any(f.startswith("README") for f in files)
+    assert "| hf | `monitor` | `clip` |" in (tmp_path / [f for f in files if f.endswith(".md")][0]).read_text()
+
+
+def test_engine_overhead_cuda_skips_without_gpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert overhead.main(["--engines", "hf", "--device", "cuda", "--out", str(tmp_path)]) is None
+    assert "no CUDA device" in capsys.readouterr().out and not os.listdir(tmp_path)

@@ -24,6 +24,9 @@ def test_demo_rescues_the_explosive_run(tmp_path):
     events = [json.loads(line) for line in (out / "gradguard" / "events.jsonl").read_text().splitlines()]
     assert events[0]["type"] == "start" and events[-1]["type"] == "summary"
     assert any(e["type"] == "action" and e["name"] == "lower_lr" for e in events)
+    report = out / "gradguard" / "report.html"  # the demo writes the report (plotly is in [dev])
+    assert summary["guarded"]["report"] == str(report) and report.stat().st_size > 100_000
+    assert summary["guarded"]["guard"]["advice"]["settings"]["lr_factor"] < 1
 
 
 def test_demo_rejects_bad_steps():

@@ -151,14 +151,47 @@ class _LRProbe:
 
 
 # -- runners: one per engine ---------------------------------------------------------------------------
+class PlainCheckpoints:
+    """The plain loop's own checkpoint files as a ``gradguard.contract.CheckpointSource``: what any
+    new engine writes to give the guard its checkpoints as a rollback tier."""
+
+    def __init__(self, model: nn.Module, opt, sched) -> None:
+        self.model, self.opt, self.sched = model, opt, sched
+
+    def saved_paths(self, step: int) -> list[str]:
+        return []
+
+    def read(self, path: str, step: int) -> dict:
+        from gradguard.recovery import check_weights, safe_load
+
+        ck = safe_load(path)
+        if ck["step"] != step:
+            raise ValueError(f"holds step {ck['step']}, not {step}")
+        check_weights(ck["model"], self.model.state_dict(), exact=True)
+        return {"model": ck["model"], "optimizer": ck["opt"], "scheduler": ck["sched"], "scaler": None,
+                "guard": json.loads(ck["guard"])}
+
+    def restore(self, payload: dict) -> None:
+        from gradguard.recovery import restore_training_state
+
+        restore_training_state(self.model, self.opt, payload, restore_schedule=False, scheduler=self.sched)
+
+
 def run_plain(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, resume_from=None,
-              save_at=None, engine_clip=None) -> Record:
+              save_at=None, engine_clip=None, hooks=None) -> Record:
+    """``Guard`` over a ``gradguard.data.BatchController`` (``guard.accumulate`` runs the step's
+    micro-batches): the plain loop's loader handle, as the Trainers' loaders are theirs."""
+    from gradguard.data import BatchController
+
     rec = Record()
     model = Net()
     model.faults = dict(faults or {})
     opt = make_opt(model.parameters(), opt_kind)
     sched = make_sched(opt)
-    g = gg.Guard(model, opt, scheduler=sched, config=config, sinks=[rec.sink]) if guard else None
+    batches = BatchController(Data(), BS, shuffle=False)
+    g = gg.Guard(model, opt, scheduler=sched, config=config, sinks=[rec.sink], batches=batches) if guard else None
+    if g is not None:
+        g.attach_checkpoints(PlainCheckpoints(model, opt, sched))
     start = 0
     if resume_from is not None:
         ck = torch.load(resume_from, weights_only=True)
@@ -171,30 +204,35 @@ def run_plain(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True
     rec.core, rec.model, rec.optimizer, rec.scheduler = g, model, opt, sched
     k = start
     model.step_fn = lambda: k + 1
+    for hook in hooks or []:
+        hook(model, lambda: k + 1)
     probe = _LRProbe(rec, lambda: k + 1)
-    loader = torch.utils.data.DataLoader(Data(), batch_size=BS, shuffle=False)
-    batches = iter(loader)
+    steps_iter = iter(batches)
     try:
         while k < steps:
-            batch = next(batches)
-            loss = model(**batch)["loss"]
-            loss.backward()
+            batch = next(steps_iter)
             report = None
             if g is None:
+                (mb, _), = list(batch.micro_batches())
+                model(**mb)["loss"].backward()
                 opt.step()
                 sched.step()
             else:
                 try:
-                    report = g.step(loss.detach())
+                    g.accumulate(batch, lambda mb: model(**mb)["loss"])
+                    report = g.step()
                 except gg.GradGuardHalt as exc:
                     rec.error = exc
             opt.zero_grad(set_to_none=True)
             k += 1
             rec.after_step(k, model, opt)
-            if save_at == k:
-                rec.saved_state = g.state_dict()
+            if save_at and k % save_at == 0 and g is not None:
+                path = str(tmp_path / f"plain-{k}.ckpt")
+                g.checkpoint_saved(k, [path])  # before the guard's state is taken: it lists this file
+                if k == save_at:
+                    rec.saved_state = g.state_dict()
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                            "guard": json.dumps(g.state_dict()), "step": k}, str(tmp_path / "plain.ckpt"))
+                            "guard": json.dumps(g.state_dict()), "step": k}, path)
             if rec.error is not None or (report is not None and report.halt):
                 break
     finally:
@@ -205,7 +243,7 @@ def run_plain(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True
 
 
 def run_hf(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, resume_from=None,
-           save_at=None, engine_clip=None) -> Record:
+           save_at=None, engine_clip=None, hooks=None) -> Record:
     transformers = pytest.importorskip("transformers")
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -241,6 +279,8 @@ def run_hf(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, r
     trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, sched),
                       callbacks=[c for c in (cb, Probe()) if c is not None])
     model.step_fn = lambda: trainer.state.global_step + 1
+    for hook in hooks or []:
+        hook(model, model.step_fn)
     probe = _LRProbe(rec, lambda: trainer.state.global_step + 1)
     rec.model, rec.optimizer, rec.scheduler = model, opt, sched
     try:
@@ -255,7 +295,7 @@ def run_hf(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, r
 
 
 def run_lightning(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, resume_from=None,
-                  save_at=None, engine_clip=None) -> Record:
+                  save_at=None, engine_clip=None, hooks=None) -> Record:
     L = pytest.importorskip("lightning.pytorch")
     from gradguard.lightning import GradGuardCallback
 
@@ -299,6 +339,8 @@ def run_lightning(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(save_at),
                         default_root_dir=str(tmp_path / "pl"), num_sanity_val_steps=0, gradient_clip_val=engine_clip)
     model.step_fn = lambda: trainer.global_step + 1
+    for hook in hooks or []:
+        hook(model, model.step_fn)
     probe = _LRProbe(rec, lambda: trainer.global_step + 1)
     rec.model = model
     try:
@@ -319,7 +361,7 @@ RUNNERS = {"plain": run_plain, "hf": run_hf, "lightning": run_lightning}
 
 def checkpoint_of(engine: str, tmp_path, step: int) -> str:
     if engine == "plain":
-        return str(tmp_path / "plain.ckpt")
+        return str(tmp_path / f"plain-{step}.ckpt")
     if engine == "hf":
         return str(tmp_path / "hf" / f"checkpoint-{step}")
     files = [f for f in os.listdir(tmp_path / "pl") if f.endswith(f"step={step}.ckpt")]
@@ -435,8 +477,6 @@ def test_metric_names_are_identical_across_engines(tmp_path):
 def test_trust_rule_is_the_same_in_every_engine(tmp_path, engine, preset):
     """A checkpoint is trusted after recovery.confirm_steps healthy steps (3 here), in every engine;
     monitor mode judges checkpoints as the default does (it observes everything, only does not act)."""
-    if engine == "plain":
-        pytest.skip("the plain loop has no engine checkpoints: its snapshots follow the same rule (test_snapshot)")
     c = cfg(tmp_path, preset, recovery={"snapshot_interval": 0, "confirm_steps": 3})
     rec = RUNNERS[engine](tmp_path, c, steps=6, save_at=2)
     tier = {e["step"]: e for e in rec.core.checkpoint_tier.state_dict()}
@@ -510,6 +550,81 @@ def test_stateful_pieces_round_trip_their_state(tmp_path):
                     faults={3: 50.0, 4: 50.0})
     state = json.loads(json.dumps(rec.core.state_dict()))
     net = Net()
-    fresh = gg.Guard(net, torch.optim.AdamW(net.parameters()), config=cfg(tmp_path / "x"))
+    from gradguard.data import BatchController
+
+    fresh = gg.Guard(net, torch.optim.AdamW(net.parameters()), config=cfg(tmp_path / "x"),
+                     batches=BatchController(Data(), BS, shuffle=False))
     fresh.load_state_dict(state)
     assert normalised(fresh.state_dict()) == normalised(state)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rollback_falls_back_to_the_newest_trusted_engine_checkpoint(tmp_path, engine):
+    """No in-memory snapshot: the rollback restores the engine's own checkpoint through its
+    CheckpointSource (the plain loop's is the test's ``PlainCheckpoints``), the newest one that
+    a healthy step confirmed (checkpoint 4 was followed by a spike: bad for good)."""
+    c = cfg(tmp_path, recovery={"snapshot_interval": 0, "confirm_steps": 1})
+    rec = RUNNERS[engine](tmp_path, c, steps=8, faults={5: 50.0, 6: 50.0}, opt_kind="sgd", save_at=2)
+    assert rec.error is None
+    rb = actions(rec, "rollback")
+    assert len(rb) == 1 and rb[0]["step"] == 6
+    assert rb[0]["params"]["to_step"] == 2 and rb[0]["params"]["source"] == "checkpoint"
+    assert torch.equal(rec.weights[6], rec.weights[2])  # exactly the checkpoint's weights
+    assert torch.equal(rec.opt_state[6], rec.opt_state[2])
+    assert not torch.equal(rec.weights[8], rec.weights[6])  # training went on from there
+    tier = {e["step"]: e for e in rec.core.checkpoint_tier.state_dict()}
+    assert 4 not in tier  # the bad one was dropped with everything after the restored step
+
+
+def oom_above(limit: int, from_step: int, fired: list[int]):
+    """A hook that makes the model's embedding raise ``torch.OutOfMemoryError`` for micro-batches
+    larger than ``limit`` from optimizer step ``from_step`` on."""
+
+    def install(model: nn.Module, step_fn) -> None:
+        def pre(module, args):
+            if module.training and step_fn() >= from_step and args[0].shape[0] > limit:
+                fired.append(step_fn())
+                raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {args[0].shape[0]} samples)")
+
+        model.embed.register_forward_pre_hook(pre)
+
+    return install
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_out_of_memory_is_retried_in_pieces_with_the_same_result(tmp_path, engine):
+    """One rule (gradguard.oom) in every engine: the failed samples run again in halves, weighted
+    by their share, and the engine's micro-batch shrinks to what fitted; nothing is lost or skipped."""
+    c = cfg(tmp_path, recovery={"snapshot_interval": 0})
+    ref = RUNNERS[engine](tmp_path / "ref", c, steps=6, opt_kind="sgd")
+    fired: list[int] = []
+    rec = RUNNERS[engine](tmp_path / "oom", c, steps=6, opt_kind="sgd", hooks=[oom_above(BS // 2, 3, fired)])
+    assert rec.error is None and fired and fired[0] == 3
+    ooms = [e for e in rec.sink.events if e["type"] == "action" and e["name"].startswith("oom")]
+    first = ooms[0]
+    assert first["name"] == "oom_shrink_micro" and first["step"] == 3
+    assert first["params"]["micro_batch"] == [BS, BS // 2] and first["params"]["pieces"] == 2
+    assert first["params"]["in"] == "forward" and not first["params"]["step_skipped"]
+    # a batch the engine had already drawn at the old size is split the same way (Lightning prefetches)
+    assert all(e["name"] == "oom_retry" and e["params"]["micro_batch"] == [BS, BS] for e in ooms[1:])
+    assert rec.core.skipped_steps == 0 and rec.core.step_count == 6
+    for k in range(1, 7):  # the same samples, the same weights (up to float rounding of the split sums)
+        assert torch.allclose(rec.weights[k], ref.weights[k], atol=1e-6), k
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_batch_shrinks_with_linear_lr_scaling_and_grows_back(tmp_path, engine):
+    """The ``shrink_batch`` rung halves the engine's batch through its loader handle with the LR
+    scaled linearly, and a stable period doubles it back."""
+    c = cfg(tmp_path, policy={"ladder": [["shrink_batch"]]},
+            recovery={"snapshot_interval": 0, "grow_after": 3, "grow_clip": 0.1, "grow_clip_steps": 2})
+    rec = RUNNERS[engine](tmp_path, c, steps=11, faults={4: 50.0, 5: 50.0}, opt_kind="sgd")
+    assert rec.error is None
+    shrink, grow = actions(rec, "shrink_batch"), actions(rec, "grow_batch")
+    assert len(shrink) == 1 and shrink[0]["step"] == 5 and shrink[0]["params"]["batch"] == [BS, BS // 2]
+    assert len(grow) == 1 and grow[0]["step"] == 8 and grow[0]["params"]["batch"] == [BS // 2, BS]
+    for k in (6, 7, 8):  # half the batch, half the LR (inside the step only)
+        assert rec.eff_lr[k] / rec.sched_lr[k] == pytest.approx(0.5, rel=1e-3)
+    for k in (10, 11):
+        assert rec.eff_lr[k] > 0 and rec.sched_lr[k] > 0
+    assert rec.core.lr.batch_scale == 1.0

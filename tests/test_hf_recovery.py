@@ -66,7 +66,7 @@ def test_oom_in_forward_retries_the_same_samples_in_chunks(tmp_path, loss_kwargs
         assert torch.allclose(p, q, atol=1e-4)
     acts = [e for e in events(tmp_path / "b") if e["type"] == "action"]
     assert [a["name"] for a in acts] == ["oom_shrink_micro"]
-    assert acts[0]["params"]["micro_batch"] == [4, 2] and acts[0]["params"]["retried"]
+    assert acts[0]["params"]["micro_batch"] == [4, 2] and acts[0]["params"]["pieces"] == 2
     assert "training_step" not in vars(tr)  # the wrapper is gone after train()
 
 
@@ -100,7 +100,7 @@ def test_oom_during_backward_mid_accumulation_skips_that_step(tmp_path):
     assert tr.state.global_step == 5 and cb.core.skipped_steps == 1
     assert all(torch.isfinite(p).all() for p in tr.model.parameters())
     act = next(e for e in events(tmp_path) if e["type"] == "action")
-    assert act["name"] == "oom_shrink_micro" and act["params"]["step_skipped"]
+    assert act["name"] == "oom_skip_step" and act["params"]["step_skipped"] and act["params"]["micro_batch"] == [4, 2]
 
 
 def test_batch_shrinks_with_linear_lr_scaling_and_grows_back_under_a_tight_clip(tmp_path):

@@ -190,7 +190,7 @@ def test_forward_oom_is_retried_in_halves_then_the_loader_micro_batch_halves(tmp
     trainer.fit(m, idx_loader(8, 256))
     shrink, retry = actions(cb, "oom_shrink_micro"), actions(cb, "oom_retry")
     assert len(shrink) == 1 and shrink[0]["step"] == 3
-    assert shrink[0]["params"]["micro_batch"] == [8, 4] and shrink[0]["params"]["accumulation"] == 2
+    assert shrink[0]["params"]["micro_batch"] == [8, 4] and shrink[0]["params"]["pieces"] == 2
     assert len(retry) == 1 and retry[0]["step"] == 4  # batch 4 was drawn before an aligned boundary
     assert max(hook.ok[2:]) <= 4  # no forward larger than the limit ran from step 3 on
     # steps 3 and 4: the 8 samples failed, then ran in two pieces; from batch 5 the loader gives 4, two per step

@@ -67,11 +67,14 @@ def test_oom_halves_micro_batch_and_retries_same_data(quiet_cfg, tmp_path):
     ds = Pairs()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ctl = BatchController(ds, batch_size=16, shuffle=False)
-    guard = gg.Guard(model, opt, config=quiet_cfg(clip={"mode": "off"}), batches=ctl)
+    sink = gg.sinks.MemorySink()
+    guard = gg.Guard(model, opt, config=quiet_cfg(clip={"mode": "off"}), batches=ctl, sinks=[sink])
     first = next(iter(ctl))
     loss = guard.accumulate(first, loss_of(model))
     assert ctl.micro_batch_size == 4 and ctl.batch_size == 16 and ctl.accumulation_steps == 4
-    assert guard.action_counts["oom_shrink_micro"] == 2  # 16 -> 8 -> 4
+    assert guard.action_counts["oom_shrink_micro"] == 1  # one error, one action: 16 -> 4 (pieces of 8 failed too)
+    act = next(e for e in sink.events if e["type"] == "action" and e["name"] == "oom_shrink_micro")
+    assert act["params"]["micro_batch"] == [16, 4] and act["params"]["pieces"] == 4 and not act["params"]["step_skipped"]
     # same samples, same gradient as one full batch
     full = next(iter(BatchController(ds, batch_size=16, shuffle=False)))
     (mb, _), = list(full.micro_batches())

@@ -8,10 +8,8 @@ from typing import Any
 import torch
 
 from .._compat import shadow_method, unshadow_method
-from ..act import drop_grads
-from ..adapter import free_memory
 from ..data import batch_len, split_batch
-from ..policy import Action
+from ..oom import SKIPPED, OomRecovery, PieceFailed
 
 __all__ = ["StepRunner"]
 
@@ -33,6 +31,7 @@ class StepRunner:
         self.poisoned = False  # an out-of-memory error left this step's gradients half-accumulated
         self.discard_left = 0  # upcoming optimizer steps whose data is skipped (after a rollback)
         self.last_step_loss: float | None = None
+        self.oom: OomRecovery | None = OomRecovery(core, lambda: self.params, self.shrink_to) if core is not None else None
         self._orig: Any = None
         self._wrapper: Any = None
         self._previous: Any = None
@@ -84,45 +83,58 @@ class StepRunner:
         return torch.tensor(v / max(1, g), device=tr.args.device)
 
     def _guarded(self, orig: Any, model: Any, inputs: Any, num_items_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        core = self.core
         if self.discard_left > 0 or self.poisoned:
             return self.placeholder_loss()  # this step's data is skipped: no forward, no backward
         first = self.micro_in_step == 0
         self.micro_in_step += 1
         size = batch_len(inputs)
         self.last_micro = size or self.last_micro
-        while True:
-            start = len(self.losses)
-            try:
-                return self._run_chunks(orig, model, inputs, num_items_in_batch, *args, **kwargs)
-            except torch.OutOfMemoryError as exc:
-                touched = len(self.losses) > start  # a forward finished: backward may have touched grads
-                del self.losses[start:]
-                old = -(-size // self.splits) if size else 0
-                if old <= 1 or getattr(self.args, "world_size", 1) > 1:
-                    raise  # nothing left to split; or several processes, which must stay in lockstep
-                message = f"{type(exc).__name__}: {exc}"[:160]
-            free_memory()  # outside the except block, so the failed attempt's tensors can be freed
-            self.splits *= 2
-            params: dict[str, Any] = {"micro_batch": [old, -(-size // self.splits)], "splits": self.splits}
-            step = core.step_count + 1
-            if touched and not first:
-                # earlier micro-batches' gradients are mixed with a half-finished backward
-                drop_grads(self.params)
-                self.poisoned = True
-                core.record(Action("oom_shrink_micro", step, f"out of memory during backward ({message}): the "
-                                   "step's gradients are dropped and the step skipped", {**params, "step_skipped": True}))
-                return self.placeholder_loss()
-            if touched:
-                drop_grads(self.params)  # first micro-batch of the step: nothing else is lost
-            core.record(Action("oom_shrink_micro", step, f"out of memory ({message}): the same samples are "
-                               "retried in smaller chunks", {**params, "retried": True}))
+        start = len(self.losses)
+        try:
+            return self._run_chunks(orig, model, inputs, num_items_in_batch, self.splits, *args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            touched = len(self.losses) > start  # a forward finished: its backward may have touched grads
+            del self.losses[start:]
+            chunk = -(-size // self.splits) if size else 0
+            if self.oom is None or not self.oom.can_recover(chunk, getattr(self.args, "world_size", 1)):
+                raise  # nothing left to split; or several processes, which must stay in lockstep
+            message = f"{type(exc).__name__}: {exc}"[:160]
+        splits = self.splits
 
-    def _run_chunks(self, orig: Any, model: Any, inputs: Any, num_items_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        def attempt(parts: int) -> Any:
+            mark = len(self.losses)
+            try:
+                return self._run_chunks(orig, model, inputs, num_items_in_batch, splits * parts, *args, **kwargs)
+            except torch.OutOfMemoryError:
+                touched = len(self.losses) > mark
+                del self.losses[mark:]
+                raise PieceFailed(touched) from None
+
+        out = self.oom.recover(attempt, samples=chunk, message=message, touched=touched, earlier_grads=not first,
+                               where="backward" if touched else "forward")
+        if out is SKIPPED:
+            self.poisoned = True  # the rest of the step is not computed; the step is skipped
+            return self.placeholder_loss()
+        return out
+
+    def shrink_to(self, fits: int) -> tuple[int, int] | None:
+        """The OOM rule's resize for the Trainer: every micro-batch runs as more chunks (the Trainer's
+        loader and accumulation stay as they are)."""
+        size = self.last_micro
+        if not size:
+            return None
+        old = -(-size // self.splits)
+        while -(-size // self.splits) > fits and self.splits < size:
+            self.splits *= 2
+        new = -(-size // self.splits)
+        return (old, new) if new < old else None
+
+    def _run_chunks(self, orig: Any, model: Any, inputs: Any, num_items_in_batch: Any, splits: int, *args: Any,
+                    **kwargs: Any) -> Any:
         tr = self.trainer
         attr = "current_gradient_accumulation_steps"
         n = batch_len(inputs)
-        chunks = split_batch(inputs, n, self.splits) if n and self.splits > 1 and hasattr(tr, attr) else []
+        chunks = split_batch(inputs, n, splits) if n and splits > 1 and hasattr(tr, attr) else []
         if len(chunks) <= 1:
             return orig(model, inputs, num_items_in_batch, *args, **kwargs)
         total = sum(n for _, n in chunks)

@@ -15,9 +15,8 @@ import torch
 
 from .._compat import shadow_method, unshadow_method
 from ..act import drop_grads
-from ..adapter import free_memory as _free_memory
 from ..data import batch_len, split_batch
-from ..policy import Action
+from ..oom import SKIPPED, OomRecovery, PieceFailed
 
 __all__ = ["StepWrappers"]
 
@@ -28,15 +27,6 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     if isinstance(output, Mapping):
         return output.get("loss")
     return None
-
-
-class _PartialGrads(Exception):
-    """A backward failed half-way: some gradients of the failed piece were already accumulated."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__(size)
-        self.size = size
-
 
 
 class StepWrappers:
@@ -50,7 +40,7 @@ class StepWrappers:
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._orig_training_step: Any = None
         self._poisoned = False  # an out-of-memory error left this step's gradients unusable
-        self.oom_events = 0
+        self.oom: OomRecovery | None = None  # the core's rule, bound in install()
 
     @property
     def _trainer(self) -> Any:
@@ -78,6 +68,8 @@ class StepWrappers:
 
     def install(self, trainer: Any, pl_module: Any) -> None:
         self.remove()
+        if self.core is not None:
+            self.oom = OomRecovery(self.core, lambda: self._trainable(self._trainer.lightning_module), self._shrink_to)
         orig = pl_module.training_step
         try:
             params = inspect.signature(orig).parameters
@@ -132,8 +124,7 @@ class StepWrappers:
             if not self._oom_recoverable(trainer, pl_module, args):
                 raise
             message = str(exc)[:200]
-        # outside the except block: the failed forward's frames (and activations) are released
-        _free_memory()
+        # outside the except block: the failed forward's frames (and activations) can be released
         return self._oom_retry(orig, args, kwargs, message, in_forward=True)
 
     def _backward(self, orig_backward: Any, closure_loss: torch.Tensor, optimizer: Any, *args: Any,
@@ -147,7 +138,6 @@ class StepWrappers:
                 raise
             message = str(exc)[:200]
         closure_loss = closure_loss.detach()  # drop the (partly freed) graph
-        _free_memory()
         args_, kwargs_ = self._current  # type: ignore[misc]
         done = self._oom_retry(self._orig_training_step, args_, kwargs_, message, in_forward=False)
         if done is not None:  # the pieces' gradients are in place: run Lightning's after-backward hooks
@@ -157,46 +147,42 @@ class StepWrappers:
         return closure_loss
 
     def _oom_recoverable(self, trainer: Any, pl_module: Any, args: tuple[Any, ...]) -> bool:
-        return bool(self.core is not None and self.config.policy.act and pl_module.automatic_optimization
-                    and trainer.world_size == 1 and args and batch_len(args[0]) > 1)
+        return bool(self.oom is not None and pl_module.automatic_optimization and args
+                    and self.oom.can_recover(batch_len(args[0]), trainer.world_size))
+
+    def _shrink_to(self, fits: int) -> tuple[int, int] | None:
+        """The OOM rule's resize for Lightning: the loader's micro-batch halves (more accumulation)."""
+        ctl = self.batches
+        if ctl is None:
+            return None  # the train DataLoader's batch sampler cannot be resized: each batch is split
+        start = ctl.target()[0]
+        while ctl.target()[0] > fits and ctl.shrink_micro() is not None:
+            pass
+        return (start, ctl.target()[0]) if ctl.target()[0] < start else None
 
     def _oom_retry(self, orig: Any, args: tuple[Any, ...], kwargs: dict[str, Any], message: str,
                    in_forward: bool) -> Any:
-        """Run the micro-batch whose forward or backward ran out of memory again in halves (quarters...
-        when a half fails too). Exact: a forward failure added no gradient; a backward failure in
-        the first micro-batch of an accumulation window is undone by dropping the gradients (Lightning
-        zeroes them for this window anyway). A backward failure later in a window is not: the step
-        is skipped. Returns the training_step output for Lightning (``in_forward``), else True, or
-        None for a skipped step."""
+        """Hand a micro-batch whose forward or backward ran out of memory to the core's rule
+        (:mod:`gradguard.oom`), running its pieces Lightning's way. Returns the training_step output
+        for Lightning (``in_forward``), else True, or None for a skipped step."""
         trainer = self._trainer
         pl_module = trainer.lightning_module
         acc = int(trainer.accumulate_grad_batches)
         first = trainer.fit_loop.epoch_loop.batch_idx % acc == 0
         params = self._trainable(pl_module)
-        n = batch_len(args[0])
         if first:
             drop_grads(params)  # the previous step's (Lightning zero-grads after training_step)
-        elif not in_forward:
-            return self._poison(params, message, n)
-        parts, smallest_failed = 2, n
         ctx = contextlib.nullcontext if in_forward else trainer.precision_plugin.train_step_context
-        while True:
-            try:
-                total, output, failed = self._run_pieces(orig, args, kwargs, parts, acc, ctx)
-                smallest_failed = min(smallest_failed, failed)
-                break
-            except _PartialGrads as partial:
-                smallest_failed = min(smallest_failed, partial.size)
-            _free_memory()
-            if not first:
-                return self._poison(params, message, n)
-            drop_grads(params)
-            parts *= 2
-            if parts > 2 * n or smallest_failed <= 1:
-                raise torch.OutOfMemoryError(message)
-        self._after_oom(message, n, -(-smallest_failed // 2), in_forward)
+        assert self.oom is not None
+        out = self.oom.recover(lambda parts: self._run_pieces(orig, args, kwargs, parts, acc, ctx),
+                               samples=batch_len(args[0]), message=message, touched=not in_forward,
+                               earlier_grads=not first, where="forward" if in_forward else "backward")
+        if out is SKIPPED:
+            self._poisoned = True  # the rest of the window is not computed; the step is skipped
+            return None
         if not in_forward:
             return True
+        total, output = out
         if total is None:
             return None
         # Lightning zero-grads the first micro-batch of a window after training_step, then runs the
@@ -211,84 +197,35 @@ class StepWrappers:
         return placeholder
 
     def _run_pieces(self, orig: Any, args: tuple[Any, ...], kwargs: dict[str, Any], parts: int, acc: int,
-                    ctx: Any) -> tuple[torch.Tensor | None, Any, int]:
-        """Forward and backward of one micro-batch in pieces, each loss weighted by its share of the
-        micro-batch (and 1/accumulation, as Lightning does). A piece whose forward fails is split
-        again. Returns (the micro-batch's loss, the last piece's output, the smallest size that
-        failed). Raises ``_PartialGrads`` when a backward fails."""
+                    ctx: Any) -> tuple[torch.Tensor | None, Any]:
+        """Forward and backward of one micro-batch in ``parts`` pieces, each loss weighted by its
+        share of the micro-batch (and 1/accumulation, as Lightning does). Returns (the micro-batch's
+        loss, the last piece's output); raises :class:`gradguard.oom.PieceFailed` when a piece
+        runs out of memory."""
         batch, rest = args[0], args[1:]
         n = batch_len(batch)
-        queue = split_batch(batch, n, parts)
         scaler = self.scaler if self.scaler is not None and self.scaler.is_enabled() else None
         total: torch.Tensor | None = None
         output: Any = None
-        failed = n
-        while queue:
-            piece, size = queue.pop(0)
-            out, ran = None, False
+        touched = False  # a backward ran (or failed half-way): gradients may be in place
+        for piece, size in split_batch(batch, n, parts):
             try:
                 with ctx():
                     out = orig(piece, *rest, **kwargs)
-                ran = True
-            except torch.OutOfMemoryError:
-                if size <= 1:
-                    raise
-            if not ran:
-                failed = min(failed, size)
-                _free_memory()
-                queue[0:0] = split_batch(piece, size, 2)
-                continue
-            loss = _loss_of(out)
-            if loss is None:
-                continue
-            weight = size / n
-            ok = False
-            try:
+                loss = _loss_of(out)
+                if loss is None:
+                    continue
+                touched = True
                 with torch.autocast(loss.device.type, enabled=False):
-                    scaled = loss * (weight / acc)
+                    scaled = loss * (size / n / acc)
                     (scaler.scale(scaled) if scaler is not None else scaled).backward()
-                ok = True
             except torch.OutOfMemoryError:
-                pass
-            if not ok:
-                raise _PartialGrads(size)
-            value = loss.detach().float() * weight
+                raise PieceFailed(touched) from None
+            value = loss.detach().float() * (size / n)
             total = value if total is None else total + value
             output = out
             del loss, out
-        return total, output, failed
-
-    def _poison(self, params: list[torch.nn.Parameter], message: str, n: int) -> None:
-        drop_grads(params)
-        self._poisoned = True  # the rest of the window is not computed; the step is skipped
-        self.oom_events += 1
-        if self.core is not None:
-            self.core.record(Action("oom_skip_step", self.core.step_count + 1, f"out of memory: {message}",
-                                    {"samples": n, "why": "a backward failed after earlier micro-batches of the "
-                                     "accumulation window: their gradients cannot be separated"}))
-        return None
-
-    def _after_oom(self, message: str, n: int, fits: int, in_forward: bool) -> None:
-        """Record the retry and halve the loader's micro-batch until it is at most ``fits``."""
-        core = self.core
-        assert core is not None
-        self.oom_events += 1
-        params: dict[str, Any] = {"samples": n, "retried_pieces_of": fits, "in": "forward" if in_forward else "backward"}
-        moved = None
-        ctl = self.batches
-        if ctl is not None:
-            start = ctl.target()[0]
-            while ctl.target()[0] > fits and ctl.shrink_micro() is not None:
-                pass
-            if ctl.target()[0] < start:
-                moved = (start, ctl.target()[0])
-            params["micro_batch"] = list(moved) if moved else [start, start]
-            params["accumulation"] = ctl.accumulation_steps
-        else:
-            params["unavailable"] = ("the train DataLoader's batch sampler cannot be resized: each such batch is "
-                                     "retried in pieces")
-        core.record(Action("oom_shrink_micro" if moved else "oom_retry", core.step_count + 1,
-                           f"out of memory: {message}", params))
+        return total, output
 
     def restore_stash(self) -> None:
         stash, self._stash = self._stash, None

@@ -1,0 +1,404 @@
+"""Overhead inside the engines users run: HF ``Trainer``, Lightning ``Trainer`` and the plain loop.
+
+Run through ``benchmarks/overhead.py --engines hf,lightning,plain`` (see its docstring). Every variant
+trains the same model (same initial weights, same batches) for ``steps`` optimizer steps in a fresh
+engine; the step time is the steady state from step ``warm`` to the last step (wall time between the
+two step ends / steps). Rounds are interleaved (every round runs every variant once, in a rotating
+order) and the ratio of a variant is taken against its baseline *in the same round*; the table gives
+the median [min, max] of those per-round ratios.
+
+Variants (``clip`` is the unguarded engine with its own clipping at 1.0, the baseline):
+
+* HF: ``none`` (``max_grad_norm=0``: transformers 5 still computes the total norm for its
+  ``grad_norm`` log), ``clip`` (``max_grad_norm=1.0``), ``monitor`` and ``default``
+  (``GradGuardCallback`` with that preset; ``max_grad_norm=1.0`` is replayed / becomes the guard's clip).
+* Lightning: ``none`` (no clipping), ``clip`` (``gradient_clip_val=1.0``), ``grad_norm_log``
+  (``clip`` plus Lightning's documented ``grad_norm`` logging in ``on_before_optimizer_step``),
+  ``monitor`` and ``default`` (``gradient_clip_val=1.0``).
+* plain loop: ``none``, ``clip`` (``clip_grad_norm_(1.0)``), ``monitor`` (``Guard`` monitor preset,
+  vs ``none``: a monitor guard in the plain loop does not clip), ``default`` (``Guard`` default
+  preset clipping at 1.0, vs ``clip``).
+
+On CUDA (``--device cuda``) the model is GPT-2-small-sized (built from a config), bf16 autocast, and
+one steady-state step of every variant runs under ``torch.cuda.set_sync_debug_mode("warn")``: the
+synchronizing calls it flags are counted (the engine's own included; the guard adds one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import gradguard as gg
+from gradguard.demo_model import load_corpus
+
+#: model size -> settings (CPU sizes are Llama models from a config; "gpt2-small" is the CUDA one)
+SIZES: dict[str, dict[str, Any]] = {
+    "small": {"arch": "llama", "layers": 4, "width": 128, "heads": 4, "inter": 344, "vocab": 256, "batch": 16,
+              "seq": 64, "desc": "Llama, 4 layers, width 128, batch 16 x 64 tokens"},
+    "large": {"arch": "llama", "layers": 8, "width": 256, "heads": 8, "inter": 688, "vocab": 256, "batch": 8,
+              "seq": 128, "desc": "Llama, 8 layers, width 256, batch 8 x 128 tokens"},
+    "tiny": {"arch": "llama", "layers": 2, "width": 32, "heads": 2, "inter": 64, "vocab": 256, "batch": 4,
+             "seq": 16, "desc": "Llama, 2 layers, width 32 (harness test only)"},
+    "gpt2-small": {"arch": "gpt2", "layers": 12, "width": 768, "heads": 12, "vocab": 50257, "batch": 8, "seq": 512,
+                   "desc": "GPT-2 small (124M), batch 8 x 512 tokens, bf16 autocast"},
+}
+
+#: engine -> variant -> the baseline it is compared with
+VARIANTS: dict[str, dict[str, str]] = {
+    "hf": {"clip": "clip", "none": "clip", "monitor": "clip", "default": "clip"},
+    "lightning": {"clip": "clip", "none": "clip", "grad_norm_log": "clip", "monitor": "clip", "default": "clip"},
+    "plain": {"clip": "clip", "none": "clip", "monitor": "none", "default": "clip"},
+}
+
+
+def make_model(size: str) -> torch.nn.Module:
+    s = SIZES[size]
+    torch.manual_seed(0)
+    if s["arch"] == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(n_layer=s["layers"], n_embd=s["width"], n_head=s["heads"],
+                                          vocab_size=s["vocab"], n_positions=max(1024, s["seq"])))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=s["layers"], hidden_size=s["width"],
+                                        num_attention_heads=s["heads"], num_key_value_heads=s["heads"],
+                                        intermediate_size=s["inter"], vocab_size=s["vocab"],
+                                        max_position_embeddings=max(256, s["seq"])))
+
+
+class Windows(torch.utils.data.Dataset):
+    """Consecutive byte windows of real text (token ids < 256)."""
+
+    def __init__(self, seq: int, n: int) -> None:
+        data = load_corpus().long()
+        self.seq, self.data, self.n = seq, data, min(n, len(data) // seq - 1)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x = self.data[i * self.seq:(i + 1) * self.seq]
+        return {"input_ids": x, "labels": x}
+
+
+class StepClock:
+    """Step-end times (and one step's CUDA sync count) for any engine."""
+
+    def __init__(self, warm: int, cuda: bool) -> None:
+        self.warm, self.cuda = warm, cuda
+        self.times: list[float] = []
+        self.syncs: int | None = None
+        self._catch: Any = None
+        self._caught: list[Any] = []
+
+    def begin(self, step: int) -> None:
+        """Before step ``step`` (1-based): the step after the warm-up is watched for CUDA syncs."""
+        if self.cuda and step == self.warm + 1:
+            self._catch = warnings.catch_warnings(record=True)
+            self._caught = self._catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def end(self, step: int) -> None:
+        if self._catch is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._catch.__exit__(None, None, None)
+            self._catch = None
+            self.syncs = sum("synchroniz" in str(w.message).lower() for w in self._caught)
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+
+    def steady_ms(self) -> float:
+        t = self.times[self.warm - 1:]
+        return 1000 * (t[-1] - t[0]) / (len(t) - 1)
+
+
+def _guard_cfg(preset: str, out_dir: str) -> gg.GuardConfig:
+    return gg.GuardConfig.preset(preset, output={"dir": out_dir, "console": False})
+
+
+def run_hf(variant: str, size: str, steps: int, warm: int, device: str, out_dir: str) -> dict[str, Any]:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from gradguard.hf import GradGuardCallback
+
+    s = SIZES[size]
+    clock = StepClock(warm, device.startswith("cuda"))
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            clock.begin(state.global_step + 1)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            clock.end(state.global_step)
+
+    cbs: list[Any] = [Clock()]
+    guard = None
+    if variant in ("monitor", "default"):
+        guard = GradGuardCallback(_guard_cfg(variant, out_dir))
+        cbs.insert(0, guard)
+    args = TrainingArguments(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=s["batch"],
+                             learning_rate=1e-4, logging_steps=10, save_strategy="no", report_to=[],
+                             disable_tqdm=True, max_grad_norm=0.0 if variant == "none" else 1.0,
+                             use_cpu=not device.startswith("cuda"), bf16=device.startswith("cuda"),
+                             dataloader_num_workers=0, seed=0, data_seed=0)
+    tr = Trainer(model=make_model(size), args=args, train_dataset=Windows(s["seq"], steps * s["batch"]),
+                 callbacks=cbs)
+    tr.train()
+    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs}
+    if guard is not None and guard.core is not None:
+        out["guard_transfers_per_step"] = guard.core.measurer.transfers / max(1, guard.core.step_count)
+    return out
+
+
+def run_lightning(variant: str, size: str, steps: int, warm: int, device: str, out_dir: str) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from gradguard.lightning import GradGuardCallback
+
+    s = SIZES[size]
+    clock = StepClock(warm, device.startswith("cuda"))
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = make_model(size)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class LMGradNormLog(LM):
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            from lightning.pytorch.utilities import grad_norm
+
+            self.log_dict(grad_norm(self, norm_type=2))
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            clock.begin(trainer.global_step + 1)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            clock.end(trainer.global_step)
+
+    cbs: list[Any] = [Clock()]
+    guard = None
+    if variant in ("monitor", "default"):
+        guard = GradGuardCallback(_guard_cfg(variant, out_dir))
+        cbs.insert(0, guard)
+    cuda = device.startswith("cuda")
+    trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=steps, callbacks=cbs,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=out_dir, num_sanity_val_steps=0,
+                         gradient_clip_val=None if variant == "none" else 1.0,
+                         precision="bf16-mixed" if cuda else "32-true")
+    module = LMGradNormLog() if variant == "grad_norm_log" else LM()
+    loader = torch.utils.data.DataLoader(Windows(s["seq"], steps * s["batch"]), batch_size=s["batch"])
+    trainer.fit(module, loader)
+    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs}
+    if guard is not None and guard.core is not None:
+        out["guard_transfers_per_step"] = guard.core.measurer.transfers / max(1, guard.core.step_count)
+    return out
+
+
+def run_plain(variant: str, size: str, steps: int, warm: int, device: str, out_dir: str) -> dict[str, Any]:
+    s = SIZES[size]
+    cuda = device.startswith("cuda")
+    clock = StepClock(warm, cuda)
+    model = make_model(size).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = list(model.parameters())
+    guard = gg.Guard(model, opt, config=_guard_cfg(variant, out_dir)) if variant in ("monitor", "default") else None
+    data = Windows(s["seq"], steps * s["batch"])
+    loader = torch.utils.data.DataLoader(data, batch_size=s["batch"])
+
+    def batches() -> Any:
+        while True:  # epochs until the last step (the corpus may be shorter than steps x batch)
+            yield from loader
+
+    it = batches()
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    for step in range(1, steps + 1):
+        clock.begin(step)
+        batch = next(it)
+        x = batch["input_ids"].to(device, non_blocking=True)
+        with amp:
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        if guard is not None:
+            guard.step(loss)
+        else:
+            if variant == "clip":
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        clock.end(step)
+    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs}
+    if guard is not None:
+        out["guard_transfers_per_step"] = guard.measurer.transfers / max(1, guard.step_count)
+        guard.close()
+    return out
+
+
+RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {"hf": run_hf, "lightning": run_lightning, "plain": run_plain}
+
+
+def core_python_us(size: str, preset: str = "default", n: int = 300) -> dict[str, float]:
+    """Microseconds per step of the core's own work beside the gradient pass: ``before_step`` +
+    ``after_step`` (detectors, policy, clip decision, bookkeeping, amortised log-interval work)
+    minus the measurement (``measurer.measure``) timed alone, on this size's model with fixed
+    gradients on the CPU."""
+    from gradguard.detect import Signals
+
+    model = make_model(size)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with tempfile.TemporaryDirectory(prefix="gg-core-") as d:
+        core = gg.guard.GuardCore(model, opt, config=gg.GuardConfig.preset(
+            preset, output={"dir": d, "console": False, "jsonl": False}))
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+        loss = torch.tensor(2.0)
+
+        def step() -> None:
+            core.after_step(core.before_step(loss))
+
+        def measure() -> None:
+            core.measurer.measure([loss, None, None])
+
+        meas = core.measurer.measure([2.0, None, None])
+
+        def detect_policy() -> None:
+            sig = Signals(step=core.step_count + 1, loss=2.0, total_norm=meas.total_norm,
+                          layer_norms=dict(zip(core.layers.layer_names, meas.layer_norms)), nonfinite_layers=[],
+                          scale=None, overflow=False)
+            ratio = core.detectors.grad.ratio(meas.total_norm)
+            core.policy.decide(sig, core.detectors.observe(sig), ratio, weights_verified=False)
+
+        def timed(fn: Callable[[], None]) -> tuple[float, float]:
+            """(median, mean) microseconds per call: the median is a plain step, the mean includes the
+            periodic work (snapshots, log-interval parameter norms)."""
+            for _ in range(max(10, n // 10)):
+                fn()
+            ts = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e6)
+            return statistics.median(ts), statistics.fmean(ts)
+
+        (total, total_mean), (measured, measured_mean), (dp, _) = timed(step), timed(measure), timed(detect_policy)
+        core.close()
+    return {"layers": len(core.layers), "tensors": len(core.layers.params), "step_us": round(total, 1),
+            "measure_us": round(measured, 1), "detect_policy_us": round(dp, 1),
+            "core_python_us": round(max(0.0, total - measured), 1),
+            # the mean includes the periodic work, and on a shared machine every preemption: noise-sensitive
+            "core_python_mean_us": round(max(0.0, total_mean - measured_mean), 1)}
+
+
+def _quiet_engines() -> None:
+    import logging
+
+    for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+
+
+def bench(engines: list[str], sizes: list[str], *, rounds: int, steps: int, warm: int, device: str,
+          say: Callable[[str], None] | None = None) -> dict[str, Any]:
+    say = say or (lambda *a: print(*a, flush=True))
+    _quiet_engines()
+    out: dict[str, Any] = {"engines": {}, "rounds": rounds, "steps": steps, "warm": warm, "device": device}
+    with tempfile.TemporaryDirectory(prefix="gg-engines-") as tmp:
+        for size in sizes:
+            for engine in engines:
+                names = list(VARIANTS[engine])
+                runs: dict[str, list[dict[str, Any]]] = {v: [] for v in names}
+                t0 = time.perf_counter()
+                for r in range(rounds):
+                    order = names[r % len(names):] + names[:r % len(names)]
+                    for v in order:
+                        d = os.path.join(tmp, f"{engine}-{size}-{v}-{r}")
+                        os.makedirs(d, exist_ok=True)
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore")
+                            runs[v].append(RUNNERS[engine](v, size, steps, warm, device, d))
+                    say(f"  {engine}/{size}: round {r + 1}/{rounds} ({time.perf_counter() - t0:.0f}s)")
+                rows = {}
+                for v in names:
+                    base = VARIANTS[engine][v]
+                    ratios = [a["step_ms"] / b["step_ms"] for a, b in zip(runs[v], runs[base])]
+                    rows[v] = {"vs": base, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+                               "ratio_max": max(ratios), "ratios": ratios,
+                               "step_ms_median": statistics.median(x["step_ms"] for x in runs[v])}
+                    syncs = [x["syncs"] for x in runs[v] if x.get("syncs") is not None]
+                    if syncs:
+                        rows[v]["cuda_syncs_per_step"] = statistics.median(syncs)
+                    tr = [x["guard_transfers_per_step"] for x in runs[v] if "guard_transfers_per_step" in x]
+                    if tr:
+                        rows[v]["guard_transfers_per_step"] = round(statistics.median(tr), 3)
+                out["engines"].setdefault(engine, {})[size] = rows
+    n_params = {s: sum(p.numel() for p in make_model(s).parameters()) for s in sizes}
+    out["sizes"] = {s: {**SIZES[s], "params": n_params[s]} for s in sizes}
+    out["core_python"] = {s: core_python_us(s) for s in sizes if not SIZES[s]["arch"] == "gpt2"}
+    return out
+
+
+def _pct(r: float) -> str:
+    return f"{(r - 1) * 100:+.1f}%"
+
+
+def table(doc: dict[str, Any]) -> str:
+    eng = doc["engines_run"]
+    sizes = list(eng["sizes"])
+    head = ["engine", "variant", "vs"] + [f"{s} ({eng['sizes'][s]['params'] / 1e6:.2f}M params)" for s in sizes]
+    cuda = eng["device"].startswith("cuda")
+    if cuda:
+        head.append("CUDA syncs per step")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for engine, by_size in eng["engines"].items():
+        for v in VARIANTS[engine]:
+            cells = []
+            syncs = []
+            for s in sizes:
+                r = by_size.get(s, {}).get(v)
+                if r is None:
+                    cells.append("-")
+                    continue
+                ms = f"{r['step_ms_median']:.1f} ms"
+                cells.append(ms if v == r["vs"] else
+                             f"{_pct(r['ratio_median'])} [{_pct(r['ratio_min'])}, {_pct(r['ratio_max'])}]")
+                if "cuda_syncs_per_step" in r:
+                    syncs.append(f"{r['cuda_syncs_per_step']:g}")
+            row = [engine, f"`{v}`", "-" if v == VARIANTS[engine][v] else f"`{VARIANTS[engine][v]}`"] + cells
+            if cuda:
+                row.append("/".join(syncs) or "-")
+            lines.append("| " + " | ".join(row) + " |")
+    core = eng.get("core_python", {})
+    core_txt = "; ".join(f"{s}: {c['core_python_us']:.0f} us per step beside the gradient pass (median step; "
+                         "snapshots and log-interval work come every 50 steps) "
+                         f"({c['layers']} layers, {c['tensors']} tensors; detectors + policy alone "
+                         f"{c['detect_policy_us']:.0f} us; the fused pass {c['measure_us']:.0f} us on CPU)"
+                         for s, c in core.items())
+    env = doc["environment"]
+    lines += ["", f"Steady-state step time (step {eng['warm']} to {eng['steps']}), {eng['rounds']} interleaved rounds; "
+              "baselines in ms, the others as the median [min, max] of their per-round ratio to the `vs` run; on "
+              f"{eng['device']} ({env['threads']} threads, torch {env['torch']}, {env['date']}). Core work: "
+              f"{core_txt or '-'}. Generated by `{doc['command']}`."]
+    return "\n".join(lines) + "\n"

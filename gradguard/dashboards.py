@@ -1,0 +1,112 @@
+"""Ready dashboards, as code: a W&B "training stability" workspace and a TensorBoard custom-scalars layout.
+
+Both are built from the metric names in :class:`gradguard.sinks.M` (the one source of truth) and
+one list of panels, :func:`panels`. The TensorBoard sink writes :func:`tensorboard_layout` once per
+run; ``gradguard dashboard wandb --entity E --project P`` saves :func:`wandb_workspace` to W&B
+(``--dry-run`` writes :func:`wandb_workspace_spec` without a server).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .sinks import M
+
+__all__ = ["Panel", "EVENT_POINTS", "panels", "tensorboard_layout", "wandb_workspace", "wandb_workspace_spec",
+           "create_wandb_workspace", "WORKSPACE_NAME"]
+
+WORKSPACE_NAME = "gradguard: training stability"
+
+EVENT_POINTS = ("skip", "rollback", "lower_lr", "tighten_clip", "adam", "lower_layer_lr", "shrink_batch", "halt")
+"""Events drawn as points on the loss panel (``M.EVENT/<name>``); every other event is in the events panel."""
+
+
+@dataclass
+class Panel:
+    """One chart: literal metric names (``y``) or a regular expression over metric names (``regex``)."""
+
+    section: str
+    title: str
+    y: list[str] = field(default_factory=list)
+    regex: str | None = None
+    log_y: bool = False
+
+    def names(self) -> list[str]:
+        return list(self.y)
+
+
+def _rx(prefix: str, family: str, tail: str = ".+") -> str:
+    return "^" + re.escape(prefix + family + "/") + tail + "$"
+
+
+def panels(prefix: str = "") -> list[Panel]:
+    """The dashboard, engine-neutral. ``prefix``: what the engine puts before gradguard's keys
+    (HF ``report_to`` logs ``train/gradguard/...``: ``prefix="train/"``)."""
+    p = prefix
+    main, layers = "gradguard: training stability", "gradguard: per layer"
+    return [
+        Panel(main, "loss with gradguard's events", [p + M.LOSS] + [f"{p}{M.EVENT}/{e}" for e in EVENT_POINTS]),
+        Panel(main, "total grad norm vs clip threshold", [p + M.GRAD_NORM, p + M.MAX_NORM], log_y=True),
+        Panel(main, "applied vs scheduled LR", regex="^" + re.escape(p + "gradguard/lr") + r"(_scheduled)?/group\d+$",
+              log_y=True),
+        Panel(main, "LR multiplier", [p + M.LR_MULT], log_y=True),
+        Panel(main, "loss scale (fp16)", [p + M.SCALE], log_y=True),
+        Panel(main, "overflows, skipped steps, findings", [p + M.OVERFLOW, p + M.SKIPPED, p + M.FINDINGS]),
+        Panel(main, "ladder level", [p + M.LEVEL]),
+        Panel(main, "actions over time (cumulative)", regex=_rx(p, M.ACTION)),
+        Panel(main, "every event (points)", regex=_rx(p, M.EVENT)),
+        Panel(layers, "per-layer grad norm", regex=_rx(p, M.GRAD_NORM_LAYER), log_y=True),
+        Panel(layers, "per-layer update/weight ratio", regex=_rx(p, M.UPDATE_RATIO_LAYER), log_y=True),
+        Panel(layers, "per-layer parameter norm", regex=_rx(p, M.PARAM_NORM_LAYER), log_y=True),
+    ]
+
+
+def tensorboard_layout(prefix: str = "") -> dict[str, dict[str, list[Any]]]:
+    """The custom-scalars layout (``SummaryWriter.add_custom_scalars``): one category per section,
+    one multiline chart per panel (TensorBoard treats every tag as a regular expression)."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for panel in panels(prefix):
+        tags = [panel.regex] if panel.regex else ["^" + re.escape(n) + "$" for n in panel.y]
+        out.setdefault(panel.section, {})[panel.title] = ["Multiline", tags]
+    return out
+
+
+def _workspaces() -> tuple[Any, Any]:
+    try:
+        import wandb_workspaces.reports.v2 as wr
+        import wandb_workspaces.workspaces as ws
+    except ImportError as exc:
+        raise ImportError("gradguard: the W&B dashboard needs wandb-workspaces. "
+                          "Fix: pip install 'gradguard[dashboards]'") from exc
+    return ws, wr
+
+
+def wandb_workspace(entity: str, project: str, prefix: str = "", name: str = WORKSPACE_NAME) -> Any:
+    """The ``wandb_workspaces.workspaces.Workspace`` (not saved)."""
+    ws, wr = _workspaces()
+    sections: dict[str, list[Any]] = {}
+    for panel in panels(prefix):
+        kw: dict[str, Any] = {"title": panel.title, "log_y": panel.log_y}
+        if panel.regex:
+            kw["metric_regex"] = panel.regex
+        else:
+            kw["y"] = list(panel.y)
+        sections.setdefault(panel.section, []).append(wr.LinePlot(**kw))
+    return ws.Workspace(entity=entity, project=project, name=name,
+                        sections=[ws.Section(name=k, panels=v, is_open=True) for k, v in sections.items()])
+
+
+def wandb_workspace_spec(entity: str = "ENTITY", project: str = "PROJECT", prefix: str = "") -> dict[str, Any]:
+    """What ``--dry-run`` writes: the panel list and the workspace's view spec as W&B stores it."""
+    from ._compat import wandb_view_dump
+
+    return {"name": WORKSPACE_NAME, "entity": entity, "project": project, "prefix": prefix,
+            "panels": [asdict(p) for p in panels(prefix)],
+            "view": wandb_view_dump(wandb_workspace(entity, project, prefix))}
+
+
+def create_wandb_workspace(entity: str, project: str, prefix: str = "") -> str:
+    """Save the workspace to W&B (needs ``wandb login``); returns its URL."""
+    return str(wandb_workspace(entity, project, prefix).save().url)
