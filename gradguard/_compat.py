@@ -24,6 +24,7 @@ __all__ = [
     "scaler_scale", "scaler_found_inf", "set_scaler_scale", "shadow_method", "unshadow_method",
     "find_caller", "hf_callback_list", "pl_combined_loader", "pl_loader_iterator", "pl_iterator_drawn",
     "pl_restart_sampler_iter", "pl_data_fetcher", "pl_set_epoch_length", "pl_checkpoint_last_saved",
+    "hf_callback_being_restored", "pl_saving_checkpoint_path",
     "swap_class", "check_features", "versions", "has_foreach_support", "device_dtype_groups", "HF_NORM_METHOD", "hf_norm_pass_plain",
     "pl_log_step", "pl_should_update_logs",
 ]
@@ -179,6 +180,22 @@ def hf_callback_list(callback: Any) -> list[Any] | None:
     return cbs if isinstance(cbs, list) and callback in cbs else None
 
 
+def hf_callback_being_restored(cls: type) -> Any:
+    """While the Trainer rebuilds callbacks from a checkpoint (``restore_callback_states_from_checkpoint``,
+    ``Trainer._load_callback_state``): the first instance of exactly ``cls`` still in its callback
+    list, i.e. the user's callback the rebuilt one is about to replace (the Trainer replaces them in
+    list order, removing each as it goes). None outside a Trainer."""
+    try:
+        from transformers import Trainer
+    except ImportError:  # pragma: no cover
+        return None
+    trainer = find_caller(Trainer, start=2)
+    cbs = getattr(getattr(trainer, "callback_handler", None), "callbacks", None)
+    if not isinstance(cbs, list):
+        return None
+    return next((c for c in cbs if type(c) is cls), None)
+
+
 # -- Lightning: the fit loop's data plumbing -------------------------------------------------------
 def pl_combined_loader(trainer: Any) -> Any:
     """``trainer.fit_loop._combined_loader`` (None when absent)."""
@@ -245,6 +262,23 @@ def pl_checkpoint_last_saved(cb: Any) -> tuple[int | None, list[str]]:
     paths = [getattr(cb, "_last_checkpoint_saved", "") or getattr(cb, "last_model_path", "")]
     paths += list(getattr(cb, "best_k_models", None) or {})
     return (None if step is None else int(step)), [str(p) for p in paths if p]
+
+
+def pl_saving_checkpoint_path(trainer: Any, depth: int = 16) -> str | None:
+    """While ``trainer.save_checkpoint(filepath)`` runs (callbacks' ``on_save_checkpoint``): the
+    file being written (the ``filepath`` argument of that frame). None when not found."""
+    getframe = getattr(sys, "_getframe", None)
+    if getframe is None:  # pragma: no cover - other Python implementations
+        return None
+    frame = getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "save_checkpoint" and frame.f_locals.get("self") is trainer:
+            path = frame.f_locals.get("filepath")
+            return str(path) if path else None
+        frame = frame.f_back
+    return None
 
 
 # -- feature detection at attach time --------------------------------------------------------------

@@ -8,6 +8,8 @@
   ``gradient_clip_val``) becomes the guard's starting ``clip.max_norm``; if both were set to
   different values, :class:`ConfigError`. When the guard does not clip (monitor mode or
   ``clip.mode="off"``) the engine's clipping is left as it is.
+* :func:`unusable_resume_state`: a saved guard state that cannot be restored on resume is a
+  :class:`StateError` when the policy acts; in monitor mode a warning, and the guard starts fresh.
 * :func:`may_wrap`: monitor mode installs no wrapper anywhere (``training_step``, ``backward``).
 * :class:`SchedulerHold`: a skipped optimizer step does not move the LR schedule (the engine's next
   ``scheduler.step()`` is swallowed).
@@ -27,9 +29,9 @@ import torch
 
 from ._compat import shadow_method, unshadow_method
 from .config import ClipConfig, GuardConfig
-from .errors import ConfigError, GradGuardHalt, UnsupportedSetupError, warn
+from .errors import ConfigError, GradGuardHalt, StateError, UnsupportedSetupError, warn
 
-__all__ = ["refuse_unsupported", "resolve_clip", "may_wrap", "SchedulerHold", "HaltLatch", "free_memory",
+__all__ = ["refuse_unsupported", "unusable_resume_state", "resolve_clip", "may_wrap", "SchedulerHold", "HaltLatch", "free_memory",
            "halt_raises"]
 
 
@@ -51,6 +53,17 @@ def refuse_unsupported(config: GuardConfig, problems: dict[str, str]) -> bool:
         raise UnsupportedSetupError(message)
     warn(f"gradguard: {message.split(' Fix:')[0]}. Monitor mode stands aside: this run is not watched")
     return False
+
+
+def unusable_resume_state(config: GuardConfig, exc: StateError) -> None:
+    """A resumed run's saved guard state cannot be used (unreadable file, another model, a garbled
+    entry). Acting: the :class:`StateError` is raised before the first step (nothing was changed;
+    resuming without the state would silently drop the LR cut or clip that rescued the run).
+    Monitor mode: a warning, and the guard starts fresh (it must never be what stops a run the
+    engine accepts)."""
+    if config.policy.act:
+        raise exc
+    warn(f"gradguard: {exc} Monitor mode starts with a fresh guard state instead")
 
 
 def resolve_clip(config: GuardConfig, engine_value: float | None, *, engine_default: float | None,

@@ -838,6 +838,25 @@ class GuardCore:
             "checkpoints": self.checkpoint_tier.state_dict(),
         }
 
+    def start_at(self, step: int) -> None:
+        """A fresh guard joining a run after update ``step`` (resumed without a saved guard state: the
+        callback was added on resume, or its state could not be used): its step numbers follow the
+        engine's, so its reports, metrics and checkpoint entries name the engine's steps. Nothing
+        else is assumed: no update has been seen, the detectors warm up as in a new run."""
+        if self.step_count == 0 and step > 0:
+            self.step_count = int(step)
+
+    def checkpoint_state(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> dict[str, Any]:
+        """The state to write into the engine checkpoint being saved after update ``step`` at
+        ``paths``: :meth:`state_dict` with that checkpoint already in the rollback tier (engines
+        serialise their callbacks' state before announcing the save). A run resumed from the
+        checkpoint then holds exactly the state of the run that wrote it, the checkpoint it resumed
+        from included. Changes nothing: the adapter still reports the save with
+        :meth:`checkpoint_saved`."""
+        state = self.state_dict()
+        state["checkpoints"] = self.checkpoint_tier.state_with(step, list(paths))
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Validate the whole state (version, model signature, every entry), then apply it; a
         ``gradguard.state.StateError`` means nothing was changed."""

@@ -56,6 +56,7 @@ from ._compat import (
     HF_NORM_METHOD,
     check_features,
     find_caller,
+    hf_callback_being_restored,
     hf_callback_list,
     hf_norm_pass_plain,
     shadow_method,
@@ -67,8 +68,18 @@ from ._hf.loader import TrainerLoader
 from ._hf.setup import log_entries, unsupported
 from ._hf.steps import StepRunner
 from .act import drop_grads, unwrap_optimizer
-from .adapter import HaltLatch, SchedulerHold, check_ladder, halt_raises, may_wrap, refuse_unsupported, resolve_clip
+from .adapter import (
+    HaltLatch,
+    SchedulerHold,
+    check_ladder,
+    halt_raises,
+    may_wrap,
+    refuse_unsupported,
+    resolve_clip,
+    unusable_resume_state,
+)
 from .config import GuardConfig
+from .errors import StateError
 from .guard import GuardCore, StepReport
 from .measure import EngineClip
 from .policy import Action
@@ -104,8 +115,26 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             (at the same ``train/global_step``; they stay out of the printed logs).
     """
 
+    def __new__(cls, *args: Any, _from_checkpoint: bool = False, **kwargs: Any) -> GradGuardCallback:
+        # restore_callback_states_from_checkpoint=True: the Trainer rebuilds every stateful callback
+        # from the arguments saved in trainer_state.json and drops the instance the user passed (its
+        # sinks, out_dir, a new config). The "rebuilt" callback is the user's own instance instead;
+        # the Trainer then sets the saved state on it (see __init__ and state()).
+        if _from_checkpoint:
+            mine = hf_callback_being_restored(cls)
+            if mine is not None:
+                return mine
+        return super().__new__(cls)
+
     def __init__(self, config: GuardConfig | dict[str, Any] | None = None, *, sinks: list[Sink] | None = None,
-                 out_dir: str | None = None, raise_on_halt: bool | None = None, layer_metrics: bool = True) -> None:
+                 out_dir: str | None = None, raise_on_halt: bool | None = None, layer_metrics: bool = True,
+                 _from_checkpoint: bool = False) -> None:
+        if _from_checkpoint and getattr(self, "_built", False):
+            # the user's instance, handed back by __new__ to the Trainer's callback restore: keep it as
+            # it is (the user's config wins); the Trainer re-adds it at the end of its callback list
+            self._ordered = False
+            return
+        self._built = True
         self.config = config = GuardConfig.coerce(config, "GradGuardCallback(config)")
         self.user_sinks = list(sinks or [])
         self.out_dir = out_dir
@@ -115,6 +144,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self.reports: list[StepReport] = []  # this train() call's step reports (the last 1000)
         self.diagnosis: dict[str, Any] | None = None
         self._resume_state: dict[str, Any] | None = None  # set by the Trainer's callback restore
+        self._control: Any = None  # the Trainer's TrainerControl and TrainerState while training runs
+        self._tstate: Any = None
         self._ordered = False
         self.runner: StepRunner | None = None
         self._reset_run()
@@ -210,6 +241,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, train_dataloader: Any = None, **kwargs: Any) -> None:
         self._move_ahead_of_reporters()
+        self._ensure_state_entry(state)
         if self.core is not None:
             self._teardown()
         self._reset_run()
@@ -233,6 +265,9 @@ class GradGuardCallback(TrainerCallback, ExportableState):
                                                    restore_schedule=cfg.recovery.restore_schedule))
         self._batches = TrainerLoader(train_dataloader, args.gradient_accumulation_steps, runner)
         core.attach_batches(self._batches)
+        if state.global_step > 0:
+            self._restore(args, state)  # before anything of the Trainer's is changed: a StateError leaves it as it was
+        self._control, self._tstate = control, state
         from transformers import Trainer
 
         trainer = find_caller(Trainer, start=2)
@@ -251,18 +286,38 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self._held = SchedulerHold([lr_scheduler])
         self._hook = model.register_forward_hook(self._forward_hook, with_kwargs=True)
         args.max_grad_norm = math.inf  # keep unscaling + measuring in the Trainer, never its clipping
-        if state.global_step > 0:
-            self._restore(args, state)
+
+    def _ensure_state_entry(self, state: Any) -> None:
+        """A callback added when resuming has no entry in the checkpoint's ``stateful_callbacks``;
+        the Trainer's next save looks its name up there and fails (``KeyError``). Add the entry."""
+        entries = getattr(state, "stateful_callbacks", None)
+        if isinstance(entries, dict) and type(self).__name__ not in entries:
+            entries[type(self).__name__] = self.state()
 
     def _restore(self, args: Any, state: Any) -> None:
+        """The guard state of the checkpoint resumed from (see ``find_resume_state``). One that cannot
+        be used: ``StateError`` when acting (nothing changed yet), a warning in monitor mode."""
         assert self.core is not None and self.runner is not None
-        saved = find_resume_state(self._resume_state, args, state, type(self).__name__)
-        self._resume_state = None
-        if not saved or not saved.get("guard"):
+        resume, self._resume_state = self._resume_state, None
+        try:
+            saved = find_resume_state(resume, args, state, type(self).__name__)
+            guard = saved.get("guard") if saved else None
+            if guard:
+                self.core.load_state_dict(guard)  # validated whole first: a StateError changed nothing
+        except StateError as exc:
+            try:
+                unusable_resume_state(self.config, exc)
+            except StateError:
+                self._teardown()
+                self.core = None
+                raise
+            saved = guard = None
+        if not guard:
+            self.core.start_at(state.global_step)
             self.core.emit({"type": "resume", "step": state.global_step, "restored": False})
             return
-        self.core.load_state_dict(saved["guard"])
-        if "checkpoints" in saved and "checkpoints" not in saved["guard"]:  # written by gradguard <= 0.1
+        assert saved is not None
+        if "checkpoints" in saved and "checkpoints" not in guard:  # written by gradguard <= 0.1
             self.core.checkpoint_tier.load_state_dict(saved["checkpoints"])
         self.runner.load_state_dict(saved)
         if self._batches is not None:
@@ -336,6 +391,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         core = self.core
         if core is None or self.runner is None:
             return
+        self._control = control
         self._held.release()  # only the skipped step's scheduler.step() is swallowed
         report, self._report = self._report, None
         if not self._live_bound and getattr(state, "is_world_process_zero", True):
@@ -409,6 +465,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self._halt.finish()  # GradGuardHalt after the save, unless output.halt_raises is False
 
     def _teardown(self) -> None:
+        self._control = self._tstate = None
         if self.runner is not None:
             self.runner.unwrap()
         if self._norm_shadow is not None:
@@ -422,15 +479,30 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             self.summary = self.core.detach()
 
     # -- state -----------------------------------------------------------------------------
-    def _export(self) -> dict[str, Any]:
+    def _checkpoint_dir(self, step: int) -> str:
+        return os.path.join(self._args.output_dir, f"checkpoint-{step}")
+
+    def _saving_step(self) -> int | None:
+        """The step of the checkpoint the Trainer is writing now, else None. The Trainer serialises
+        its callbacks' ``state()`` into ``trainer_state.json`` before it calls ``on_save``."""
+        if self.core is None or self._tstate is None or self._control is None or not self._control.should_save:
+            return None
+        return int(self._tstate.global_step)
+
+    def _export(self, saving: int | None = None) -> dict[str, Any]:
         if self.core is None or self.runner is None:
             return {}
         b = self._batches
-        return {"guard": self.core.state_dict(), **self.runner.state_dict(),
+        guard = (self.core.state_dict() if saving is None
+                 else self.core.checkpoint_state(saving, [self._checkpoint_dir(saving)]))
+        return {"guard": guard, **self.runner.state_dict(),
                 **(b.state_dict() if b is not None else {"batch_size": None, "base_batch_size": None})}
 
     def state(self) -> dict[str, Any]:
-        """``ExportableState``: saved into ``trainer_state.json`` with every checkpoint."""
+        """``ExportableState``: saved into ``trainer_state.json`` with every checkpoint. The guard state
+        of a checkpoint lists that checkpoint in its rollback tier (as ``gradguard_state.json`` does),
+        so a run resumed from it has the state of the run that wrote it. ``args`` rebuild the
+        callback when there is no user instance to restore into (see ``__new__``)."""
         return {"args": {"config": self.config.to_dict(), "raise_on_halt": self.raise_on_halt,
-                         "layer_metrics": self.layer_metrics},
-                "attributes": {"_resume_state": self._export() or None}}
+                         "layer_metrics": self.layer_metrics, "_from_checkpoint": True},
+                "attributes": {"_resume_state": self._export(self._saving_step()) or None}}

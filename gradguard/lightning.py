@@ -22,7 +22,8 @@ Hook -> event (automatic optimization, Lightning 2.4+):
   ``interval="step"`` schedulers held for that step.
 * ``on_train_batch_end`` (accumulation boundary) -> AFTER_OPTIMIZER_STEP: ``core.after_step``, the
   fp16 scale the core wants kept is put back, pending micro-batch changes apply.
-* ``on_save_checkpoint`` -> CHECKPOINT_SAVED; ``on_train_end`` -> FIT_END (after a halt:
+* ``on_save_checkpoint`` -> CHECKPOINT_SAVED (the file being written, read from ``Trainer.save_checkpoint``;
+  the checkpoint's own guard state lists it); ``on_train_end`` -> FIT_END (after a halt:
   :class:`gradguard.GradGuardHalt`, unless ``output.halt_raises`` is False).
 
 Use ``gradguard.lightning`` with ``lightning.pytorch`` (falls back to ``pytorch_lightning`` when only
@@ -41,16 +42,25 @@ from typing import Any
 
 import torch
 
-from ._compat import check_features, pl_should_update_logs, scaler_scale
+from ._compat import check_features, pl_saving_checkpoint_path, pl_should_update_logs, scaler_scale
 from ._lightning.checkpoints import ModelCheckpointFiles
 from ._lightning.clip import ClipTakeover
 from ._lightning.loader import TrainerLoader
 from ._lightning.setup import LightningLoggerSink, console_writer, live_sinks, unsupported
 from ._lightning.steps import StepWrappers
 from .act import unwrap_optimizer
-from .adapter import HaltLatch, SchedulerHold, check_ladder, halt_raises, may_wrap, refuse_unsupported, resolve_clip
+from .adapter import (
+    HaltLatch,
+    SchedulerHold,
+    check_ladder,
+    halt_raises,
+    may_wrap,
+    refuse_unsupported,
+    resolve_clip,
+    unusable_resume_state,
+)
 from .config import GuardConfig
-from .errors import GradGuardHalt, warn
+from .errors import GradGuardHalt, StateError, warn
 from .guard import GuardCore, StepReport
 from .policy import Action
 from .sinks import Sink
@@ -154,18 +164,29 @@ class _GradGuardMixin:
         if self.core is not None:
             self._apply_pending()
 
-    def _apply_pending(self) -> None:
+    def _apply_pending(self) -> bool:
+        """Apply the state restored from the checkpoint (True when a guard state was applied). One
+        that cannot be used: ``StateError`` when acting, a warning and a fresh guard in monitor mode."""
         st, self._pending_state = self._pending_state, None
         if not st or self.core is None:
-            return
+            return False
         if st.get("core") is not None:
-            self.core.load_state_dict(st["core"])
+            try:
+                self.core.load_state_dict(st["core"])  # validated whole first: a StateError changed nothing
+            except StateError as exc:
+                try:
+                    unusable_resume_state(self.config, exc)
+                except StateError:
+                    self._teardown_core()
+                    raise
+                return False
         if st.get("checkpoints") is not None and "checkpoints" not in (st.get("core") or {}):
             self.core.checkpoint_tier.load_state_dict(st["checkpoints"])  # written by gradguard <= 0.1
         self._skip_left = int(st.get("skip_left", 0))
         self.data_skipped_steps = int(st.get("data_skipped_steps", 0))
         if st.get("batches") and self.batches is not None:
             self.batches.load_state_dict(st["batches"])
+        return st.get("core") is not None
 
     # -- lifecycle -------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -212,7 +233,8 @@ class _GradGuardMixin:
         self._hook_handles = [opt.register_step_pre_hook(self._pre_hook),
                               opt.register_step_post_hook(self._post_hook)]
         self._attach(trainer, pl_module)
-        self._apply_pending()
+        if not self._apply_pending():
+            self.core.start_at(trainer.global_step)  # resumed without a guard state: follow global_step
         self._setup_clip(trainer)
 
     def _attach(self, trainer: Any, pl_module: Any) -> None:
@@ -246,7 +268,18 @@ class _GradGuardMixin:
             self.batches.epoch_start()
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        self.ckpt_files.saved(trainer.global_step)
+        # Lightning collects the callbacks' state_dict() before this hook: the file being written is
+        # recorded in the trust tier now and this callback's entry of the checkpoint is written again,
+        # so the checkpoint lists itself (a run resumed from it keeps it in its rollback tier, as the
+        # run that wrote it does)
+        path = pl_saving_checkpoint_path(trainer)
+        if self.core is None or path is None:
+            self.ckpt_files.saved(trainer.global_step)  # paths known at the next batch (ModelCheckpoint's record)
+            return
+        self.core.checkpoint_saved(trainer.global_step, [path])
+        entries = checkpoint.get("callbacks")
+        if isinstance(entries, dict) and self.state_key in entries:
+            entries[self.state_key] = self.state_dict()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.core is not None:

@@ -58,6 +58,16 @@ class CheckpointTier:
             self.entries = [e for e in self.entries if not (e["path"] == path and (path or e["step"] == step))]
             self.entries.append({"step": int(step), "path": path, "healthy": 0, "tested": False, "bad": False})
 
+    def state_with(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> list[dict[str, Any]]:
+        """The state this tier will have once the checkpoint after update ``step`` at ``paths`` is
+        recorded (nothing changes here). What a checkpoint stores of the tier: it lists the
+        checkpoint itself, so a run resumed from it keeps it in its rollback tier, exactly as the
+        run that wrote it does."""
+        ahead = CheckpointTier(self.confirm_steps)
+        ahead.load_state_dict(self.state_dict())
+        ahead.saved(step, paths)
+        return ahead.state_dict()
+
     def observe(self, step: int, healthy: bool, bad: bool) -> None:
         """One step's verdict (see :func:`step_verdict`)."""
         for e in self.entries:

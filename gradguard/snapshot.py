@@ -584,14 +584,17 @@ class SnapshotRing:
                 "disk": None if self.disk is None else self.disk.directory, "disk_writable": self.disk_writable}
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters only: snapshots live in memory and are not part of a checkpoint."""
-        return {"taken": self.taken, "restored": self.restored, "total_seconds": self.total_seconds}
+        """The rollback count only. Snapshots live in this process's memory and are not part of a
+        checkpoint; so are their costs (``taken``, ``total_seconds``: see :meth:`stats`), which
+        would make a resumed run's state differ from an uninterrupted one's (a resumed process
+        snapshots its starting weights again, and timings never repeat)."""
+        return {"restored": self.restored}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from .state import StateError, check_fields
+        from .state import SNAPSHOT_FIELDS, SNAPSHOT_OPTIONAL, StateError, check_fields
 
-        check_fields("snapshots", state, {"taken": int, "restored": int, "total_seconds": (int, float)})
-        if min(state["taken"], state["restored"]) < 0:
+        check_fields("snapshots", state, SNAPSHOT_FIELDS, SNAPSHOT_OPTIONAL)  # older states carry the costs too
+        if state["restored"] < 0:
             raise StateError(f"gradguard state snapshots={state!r}: counters must be >= 0. "
                              "Fix: load a state saved by gradguard.Guard.state_dict()")
-        self.taken, self.restored, self.total_seconds = state["taken"], state["restored"], state["total_seconds"]
+        self.restored = state["restored"]

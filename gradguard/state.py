@@ -30,6 +30,9 @@ _CORE_FIELDS: dict[str, Any] = {
 }
 #: Entries that older states may lack (filled with their defaults on load).
 _OPTIONAL = {"grow_healthy": int, "model_signature": str, "checkpoints": list}
+#: The snapshot ring's saved counter; states of earlier versions also carry its per-process costs.
+SNAPSHOT_FIELDS: dict[str, Any] = {"restored": int}
+SNAPSHOT_OPTIONAL: dict[str, Any] = {"taken": int, "total_seconds": (int, float)}
 
 
 from .errors import StateError  # noqa: E402  (one error hierarchy: gradguard.errors)
@@ -154,8 +157,7 @@ def validate_core_state(core: Any, state: Any, version: int) -> None:
     LRMultiplier.check_state(state["lr"])
     AdamTuner.check_state(state["adam"])
     if state["snapshots"] is not None:
-        check_fields("snapshots", state["snapshots"],
-                     {"taken": int, "restored": int, "total_seconds": (int, float)})
+        check_fields("snapshots", state["snapshots"], SNAPSHOT_FIELDS, SNAPSHOT_OPTIONAL)
     for key, value in state["lr"].get("layer_mult", {}).items():
         if not math.isfinite(value) or value <= 0:
             raise StateError(f"gradguard state lr.layer_mult[{key!r}]={value!r}: must be finite and > 0. {_FIX}")

@@ -134,6 +134,8 @@ def test_state_dict_round_trip_every_stateful_class(name, quiet_cfg):
     _train(model, opt, 40, guard=guard, poison_at={30})
     guard.lr.lower()
     guard.lr.lower_layers(["lm_head"])
+    if name == "SnapshotRing":  # its saved state is the rollback count
+        guard.snapshots.restore(guard.snapshots.best(), restore_schedule=False)
     obj = {"Detectors": guard.detectors, "Policy": guard.policy, "ClipController": guard.clip,
            "LRMultiplier": guard.lr, "AdamTuner": guard.adam, "SnapshotRing": guard.snapshots}[name]
     state = obj.state_dict()
@@ -171,9 +173,7 @@ def test_resume_mid_run_continues_exactly(quiet_cfg, tmp_path):
     assert [r.applied for r in r1] == [r.applied for r in r2]
     for p, q in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(p, q)
-    s1, s2 = g1.state_dict(), g2.state_dict()
-    s1.pop("snapshots"), s2.pop("snapshots")
-    assert s1 == s2
+    assert g1.state_dict() == g2.state_dict()  # the whole state, snapshot counter included
 
 
 def test_bad_inputs_fail_at_construction(quiet_cfg):

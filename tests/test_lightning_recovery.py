@@ -268,10 +268,13 @@ def test_rollback_restores_the_newest_healthy_modelcheckpoint_file(tmp_path):
     assert m.rec[11]["lr"] == m.rec[10]["lr"] != m.rec[6]["lr"]  # the LR schedule kept its position
     assert not torch.equal(m.params[11], m.params[12])
     assert trainer.global_step == 14 and all(math.isfinite(float(v)) for v in flat(m))
-    # the tracked files travel in the callback's checkpoint state
+    # the tracked files travel in the callback's checkpoint state, the file itself included (step 9's
+    # entry went with the rollback to step 6)
     later = torch.load(str(ckpt_dir / "epoch=0-step=12.ckpt"), weights_only=False)
     tracked = later["callbacks"][cb.state_key]["checkpoints"]
-    assert [(e["step"], e["tested"], e["bad"]) for e in tracked] == [(3, True, False), (6, True, False)]
+    assert [(e["step"], e["tested"], e["bad"]) for e in tracked] == [(3, True, False), (6, True, False),
+                                                                     (12, False, False)]
+    assert tracked[-1]["path"] == str(ckpt_dir / "epoch=0-step=12.ckpt")
 
 
 class _Planted:

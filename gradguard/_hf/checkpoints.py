@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 
+from ..errors import StateError
 from ..recovery import check_weights, restore_training_state, safe_load
 
-__all__ = ["TrainerCheckpoints", "STATE_FILE", "read_weights", "find_resume_state", "write_state_file"]
+__all__ = ["TrainerCheckpoints", "STATE_FILE", "read_weights", "find_resume_state", "read_state_file",
+           "write_state_file"]
 
 #: Name of the guard's state file inside each ``checkpoint-*`` folder.
 STATE_FILE = "gradguard_state.json"
@@ -72,8 +74,12 @@ class TrainerCheckpoints:
         if self.restore_schedule and self.scheduler is not None and os.path.isfile(os.path.join(path, "scheduler.pt")):
             out["scheduler"] = safe_load(os.path.join(path, "scheduler.pt"))
         if os.path.isfile(os.path.join(path, STATE_FILE)):
-            with open(os.path.join(path, STATE_FILE), encoding="utf-8") as fh:
-                out["guard"] = (json.load(fh) or {}).get("guard")
+            try:
+                saved = read_state_file(os.path.join(path, STATE_FILE))
+            except StateError:
+                saved = {}  # the weights are still good: only the detectors' baselines are not put back
+            guard = saved.get("guard")
+            out["guard"] = guard if isinstance(guard, dict) else None
         return out
 
     def restore(self, payload: dict[str, Any]) -> None:
@@ -93,21 +99,42 @@ def write_state_file(folder: str, state: dict[str, Any]) -> str:
     return final
 
 
-def find_resume_state(restored: dict[str, Any] | None, args: Any, state: Any, name: str) -> dict[str, Any] | None:
+def read_state_file(path: str) -> dict[str, Any]:
+    """The guard state of a ``gradguard_state.json``; a file that is not the JSON object gradguard
+    wrote (truncated by a killed writer, overwritten) is a :class:`StateError` naming it and the fix."""
+    fix = (f"Fix: delete {path} to resume with a fresh guard state (its LR and clip adjustments and "
+           "its detectors' baselines start over), or put back an intact copy")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            state = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise StateError(f"gradguard state file {path} is not valid JSON ({exc.msg} at line {exc.lineno}, column "
+                         f"{exc.colno}: truncated or overwritten). {fix}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StateError(f"gradguard state file {path} cannot be read ({type(exc).__name__}: {exc}). {fix}") from exc
+    if not isinstance(state, dict):
+        raise StateError(f"gradguard state file {path} holds a {type(state).__name__}, not the object gradguard "
+                         f"writes. {fix}")
+    return state
+
+
+def find_resume_state(restored: Any, args: Any, state: Any, name: str) -> dict[str, Any] | None:
     """The guard state of a resumed run: the one the Trainer restored into the callback
     (``ExportableState``), else the ``stateful_callbacks`` entry of ``trainer_state.json``, else the
-    ``gradguard_state.json`` of the checkpoint resumed from."""
-    if restored is not None:
-        return restored
-    entry = (getattr(state, "stateful_callbacks", None) or {}).get(name)
-    if isinstance(entry, list):
-        entry = entry[0] if entry else None
-    if isinstance(entry, dict):
-        saved = entry.get("attributes", {}).get("_resume_state")
-        if saved is not None:
-            return saved
-    path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", STATE_FILE)
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    return None
+    ``gradguard_state.json`` of the checkpoint resumed from. Raises :class:`StateError` (naming where
+    it came from) for a state that is not a dict or a file that does not read."""
+    where = f"checkpoint-{state.global_step}/trainer_state.json stateful_callbacks[{name!r}]"
+    saved = restored
+    if saved is None:
+        entry = (getattr(state, "stateful_callbacks", None) or {}).get(name)
+        if isinstance(entry, list):
+            entry = entry[0] if entry else None
+        if isinstance(entry, dict):
+            saved = (entry.get("attributes") or {}).get("_resume_state")
+    if saved is None:
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", STATE_FILE)
+        return read_state_file(path) if os.path.isfile(path) else None
+    if not isinstance(saved, dict):
+        raise StateError(f"gradguard state {where}={str(saved)[:80]!r}: not the object gradguard writes. Fix: remove "
+                         "that entry to resume with a fresh guard state")
+    return saved
