@@ -24,7 +24,8 @@ __all__ = [
     "scaler_scale", "scaler_found_inf", "set_scaler_scale", "shadow_method", "unshadow_method",
     "find_caller", "hf_callback_list", "pl_combined_loader", "pl_loader_iterator", "pl_iterator_drawn",
     "pl_restart_sampler_iter", "pl_data_fetcher", "pl_set_epoch_length", "pl_checkpoint_last_saved",
-    "swap_class", "check_features", "versions",
+    "swap_class", "check_features", "versions", "dtensor_type", "fsdp1_units", "fsdp1_uses_orig_params",
+    "fsdp1_shard_size",
 ]
 
 _MISSING = object()
@@ -234,3 +235,38 @@ def check_features(engine: str, trainer: Any = None) -> dict[str, str]:
                   f"gradguard: {why} ({', '.join(f'{k} {x}' for k, x in v.items())}): '{action}' is disabled "
                   "for this run. Fix: install a supported version (see the README's version table)")
     return missing
+
+
+# -- torch.distributed: sharded parameters (FSDP2 DTensors, FSDP1) ----------------------------------
+def dtensor_type() -> type | None:
+    """``torch.distributed.tensor.DTensor`` (FSDP2 parameters and gradients), or None."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+def fsdp1_units(model: Any) -> list[Any]:
+    """The ``FullyShardedDataParallel`` (FSDP1) modules inside ``model`` (empty without FSDP1)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except Exception:  # pragma: no cover
+        return []
+    return [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+
+
+def fsdp1_uses_orig_params(unit: Any) -> bool:
+    """Whether an FSDP1 unit exposes the original parameters (``use_orig_params=True``: private
+    ``_use_orig_params``) rather than one flat parameter per unit."""
+    return bool(getattr(unit, "_use_orig_params", False))
+
+
+def fsdp1_shard_size(unit: Any) -> int:
+    """How many processes one FSDP1 unit spreads each parameter over (1: ``NO_SHARD``; its shard
+    group's size otherwise, which is the node for hybrid sharding)."""
+    strategy = getattr(getattr(unit, "sharding_strategy", None), "name", "FULL_SHARD")
+    if strategy == "NO_SHARD":
+        return 1
+    group = getattr(unit, "process_group", None)
+    return int(torch.distributed.get_world_size(group)) if group is not None else 1

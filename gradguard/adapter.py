@@ -29,7 +29,7 @@ from ._compat import shadow_method, unshadow_method
 from .config import ClipConfig, GuardConfig
 from .errors import ConfigError, GradGuardHalt, UnsupportedSetupError, warn
 
-__all__ = ["refuse_unsupported", "resolve_clip", "may_wrap", "SchedulerHold", "HaltLatch", "free_memory",
+__all__ = ["refuse_unsupported", "sharding_problems", "refuse_setup", "resolve_clip", "may_wrap", "SchedulerHold", "HaltLatch", "free_memory",
            "halt_raises"]
 
 
@@ -51,6 +51,23 @@ def refuse_unsupported(config: GuardConfig, problems: dict[str, str]) -> bool:
         raise UnsupportedSetupError(message)
     warn(f"gradguard: {message.split(' Fix:')[0]}. Monitor mode stands aside: this run is not watched")
     return False
+
+
+def sharding_problems(model: Any) -> dict[str, str]:
+    """The model's sharded layouts no engine guards (FSDP1 with flat parameters), as
+    :func:`refuse_unsupported` takes them; every adapter adds these to its own."""
+    from ._shard import unsupported_sharding
+
+    return unsupported_sharding(model)
+
+
+def refuse_setup(model: Any) -> None:
+    """The plain loop's refusal (its user built the guard explicitly, so monitor mode refuses too):
+    :class:`UnsupportedSetupError` naming the setting, the reason and the alternative."""
+    problems = sharding_problems(model)
+    if problems:
+        setting, why = next(iter(problems.items()))
+        raise UnsupportedSetupError(f"gradguard: {setting}: {why}")
 
 
 def resolve_clip(config: GuardConfig, engine_value: float | None, *, engine_default: float | None,

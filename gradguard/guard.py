@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ._compat import scaler_found_inf, scaler_scale, set_scaler_scale
+from ._shard import sharding
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
 from .config import GuardConfig
 from .contract import CheckpointSource, Collective
@@ -118,6 +119,8 @@ class GuardCore:
         self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern, optimizer=self.optimizer)
         self._check_optimizer_covers_model()
         self.measurer = GradMeasurer(self.layers)
+        # FSDP: local pieces measured, summed by the step's one reduction (gradguard._shard)
+        self.measurer.sharding = sharding(model, self.collective.world_size, self.reduce)
         self.detectors = Detectors(config.detect)
         self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(model, self.layers))
         self.policy = Policy(config.policy)
@@ -716,9 +719,11 @@ class Guard(GuardCore):
                  scaler: Any = None, config: GuardConfig | None = None, sinks: list[Sink] | None = None,
                  out_dir: str | None = None, layer_fn: Callable[[str], str] | None = None,
                  batches: Any = None) -> None:
+        from .adapter import refuse_setup
         from .misuse import MisuseWatch, check_optimizer
 
         check_optimizer(unwrap_optimizer(optimizer))  # closure optimizers (LBFGS) are refused
+        refuse_setup(model)  # sharded layouts gradguard cannot measure (FSDP1 flat parameters)
         self._misuse = MisuseWatch()
         super().__init__(model, optimizer, config=config, sinks=sinks, out_dir=out_dir, layer_fn=layer_fn,
                          scheduler=scheduler, scaler=scaler)

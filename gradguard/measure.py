@@ -6,6 +6,7 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +16,7 @@ from .errors import UnsupportedSetupError
 __all__ = ["default_layer_name", "LayerMap", "Measurement", "GradMeasurer", "metric_key", "norm_layers",
            "is_norm_module"]
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
 def default_layer_name(param_name: str) -> str:
@@ -30,7 +31,8 @@ def default_layer_name(param_name: str) -> str:
             if name.startswith(prefix):
                 name = name[len(prefix):]
                 changed = True
-        name = name.replace("._orig_mod.", ".").replace("._fsdp_wrapped_module.", ".")
+        for inner in ("._orig_mod.", "._fsdp_wrapped_module.", "._checkpoint_wrapped_module."):
+            name = name.replace(inner, ".")
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.isdigit():
@@ -191,6 +193,7 @@ class GradMeasurer:
         self.layers = layers
         self._index_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
         self.transfers = 0  # host-device transfers made by measure(): one per call
+        self.sharding: Any = None  # gradguard._shard.Sharding when parameters are sharded (FSDP)
 
     def grads(self) -> tuple[list[torch.Tensor], list[int]]:
         grads, owners = [], []
@@ -208,6 +211,9 @@ class GradMeasurer:
         self.layers.sync()  # parameters unfrozen or added to the optimizer since the last step
         grads, owners = self.grads()
         n_layers = len(self.layers)
+        weights = None
+        if self.sharding is not None and grads:  # local pieces; weights make the mean reduction sum them
+            grads, weights = self.sharding.localize(grads)
         if grads:
             device = grads[0].device
             norms = [n if n.device == device else n.to(device, non_blocking=True)
@@ -220,6 +226,8 @@ class GradMeasurer:
                 index = torch.tensor(owners, device=device, dtype=torch.long)
                 self._index_cache[key] = index
             sq = torch.stack(norms).square()
+            if weights is not None:
+                sq = sq * weights
             layer_sq = torch.zeros(n_layers, device=device, dtype=torch.float32).index_add_(0, index, sq)
         else:
             device = torch.device("cpu")
@@ -252,10 +260,16 @@ class GradMeasurer:
 
     @torch.no_grad()
     def _layer_norms_of(self, tensors: list[torch.Tensor]) -> list[float]:
+        weights = None
+        if self.sharding is not None:
+            tensors, weights = self.sharding.localize(tensors)
         device = tensors[0].device
         norms = [n.to(device) for n in _fused_norms(tensors)]
         index = torch.tensor(self.layers.layer_index, device=device)
-        layer_sq = torch.zeros(len(self.layers), device=device).index_add_(0, index, torch.stack(norms).square())
+        sq = torch.stack(norms).square()
+        layer_sq = torch.zeros(len(self.layers), device=device).index_add_(0, index, sq if weights is None else sq * weights)
+        if self.sharding is not None:
+            layer_sq = self.sharding.combine(layer_sq)
         self.transfers += 1
         return [v ** 0.5 for v in layer_sq.tolist()]
 

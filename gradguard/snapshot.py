@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import _io
+from ._shard import local_state, rewrap_optimizer_state, rewrap_state
 
 __all__ = ["Snapshot", "SnapshotRing", "DiskSnapshots", "SnapshotUnavailable", "copy_state", "copy_into",
            "state_nbytes", "model_fingerprint", "optimizer_structure", "clean_orphans"]
@@ -378,12 +379,14 @@ class SnapshotRing:
         t0 = time.perf_counter()
         spare, self._spare = self._spare, None
         to_disk = self.disk is not None and self.disk_writable
+        # sharded (FSDP): this process's own pieces, as plain tensors (gradguard._shard)
+        model_sd, opt_sd = local_state(self.model.state_dict()), local_state(self.optimizer.state_dict())
         if spare is not None and not to_disk:
-            tensors = {"model": copy_into(spare["model"], self.model.state_dict()),
-                       "optimizer": copy_into(spare["optimizer"], self.optimizer.state_dict())}
+            tensors = {"model": copy_into(spare["model"], model_sd),
+                       "optimizer": copy_into(spare["optimizer"], opt_sd)}
         else:
-            tensors = {"model": copy_state(self.model.state_dict(), "cpu", pin=True),
-                       "optimizer": copy_state(self.optimizer.state_dict(), "cpu", pin=True)}
+            tensors = {"model": copy_state(model_sd, "cpu", pin=True),
+                       "optimizer": copy_state(opt_sd, "cpu", pin=True)}
         state: dict[str, Any] = {**tensors, "rng": _rng_state(), "fingerprint": self.fingerprint}
         if self.scheduler is not None:
             state["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
@@ -493,7 +496,7 @@ class SnapshotRing:
         current = model_fingerprint(self.model)
         if fp != current:
             raise ValueError(f"snapshot is from another model (fingerprint {fp!r}, this model {current!r})")
-        live = self.model.state_dict()
+        live = local_state(self.model.state_dict())
         saved = state["model"]
         if not isinstance(saved, dict) or set(saved) != set(live):
             raise ValueError("snapshot's model tensors do not match this model's")
@@ -543,11 +546,13 @@ class SnapshotRing:
         nothing: everything is read and checked first; :class:`SnapshotUnavailable` means
         nothing was changed."""
         snap, st = self.load_state(snap)
-        self.model.load_state_dict(st["model"])  # copies into the existing parameters
+        # copies into the existing parameters (sharded: each piece back into its DTensor)
+        self.model.load_state_dict(rewrap_state(st["model"], self.model.state_dict()))
         # one restore for every tier: optimizer state back, its current settings kept (gradguard.recovery)
         from .recovery import load_optimizer_keeping_settings
 
-        load_optimizer_keeping_settings(self.optimizer, st["optimizer"], restore_schedule=restore_schedule)
+        load_optimizer_keeping_settings(self.optimizer, rewrap_optimizer_state(st["optimizer"], self.optimizer),
+                                        restore_schedule=restore_schedule)
         if self.scheduler is not None and restore_schedule and "scheduler" in st:
             self.scheduler.load_state_dict(copy.deepcopy(st["scheduler"]))
         if self.scaler is not None and "scaler" in st:
