@@ -410,14 +410,43 @@ class GuardCore:
         self.diagnosis_path = path
         return path
 
+    def _agreed_snapshot(self) -> tuple[Any, dict[str, Any] | None, str | None]:
+        """Several processes: the newest snapshot every process can read (one vote per snapshot
+        tried, in the same order everywhere: the rings hold the same steps on every rank), so all
+        ranks restore the same step even when one rank's file is damaged."""
+        assert self.snapshots is not None
+        usable = self.snapshots.usable()
+        problems: list[str] = []
+        for snap in usable:
+            try:
+                state: dict[str, Any] | None = self.snapshots.load_exact(snap)
+            except SnapshotUnavailable as exc:
+                state = None
+                problems.append(str(exc))
+            if self.collective.all_agree(state is not None):
+                if snap is not usable[0]:
+                    self.snapshots.problems.extend(problems or [f"snapshot of step {usable[0].step} unreadable "
+                                                                "on another process"])
+                return snap, state, None
+            if state is not None:
+                problems.append(f"snapshot of step {snap.step} unreadable on another process")
+        return None, None, "; ".join(problems) or "no snapshot readable on every process"
+
     def _rollback(self, a: Action) -> dict[str, Any]:
         snap = self.snapshots.best() if self.snapshots is not None else None
         problem = None
-        if snap is not None:
+        agreed_state = None
+        if snap is not None and self.collective.world_size > 1:
             wanted = snap.step
+            snap, agreed_state, problem = self._agreed_snapshot()
+            if snap is None:
+                self._emit({"type": "snapshot_fallback", "step": a.step, "wanted": wanted, "restored": None,
+                            "problems": [problem]})
+        if snap is not None:
+            wanted = snap.step if agreed_state is None else wanted
             try:  # all or nothing: files, model and optimizer layout are checked before any change
                 snap = self.snapshots.restore(snap, restore_schedule=self.config.recovery.restore_schedule,  # type: ignore[union-attr]
-                                              restore_rng=self.config.recovery.restore_rng)
+                                              restore_rng=self.config.recovery.restore_rng, state=agreed_state)
             except SnapshotUnavailable as exc:
                 problem = str(exc)
                 self._emit({"type": "snapshot_fallback", "step": a.step, "wanted": wanted, "restored": None,

@@ -539,13 +539,35 @@ class SnapshotRing:
                                                    tested=True, meta={"recovered_from_disk": True})
         return snap, state
 
+    def usable(self) -> list[Snapshot]:
+        """Every restorable snapshot (see :meth:`best`), newest first."""
+        return sorted(self.ring + [s for s in self.candidates if s.tested], key=lambda s: s.step, reverse=True)
+
+    def load_exact(self, snap: Snapshot) -> dict[str, Any]:
+        """The checked state of exactly ``snap`` (no fallback to an older one), changing nothing;
+        :class:`SnapshotUnavailable` when it cannot be read or does not fit."""
+        if snap.state:
+            return self.load_state(snap)[1]
+        if self.disk is None or "path" not in snap.meta:
+            raise SnapshotUnavailable(f"snapshot of step {snap.step} holds no state")
+        try:
+            state = self.disk.load(snap.step)
+            self.check_restorable(state)
+        except Exception as exc:  # corrupt zip, bad checksum, missing file, other model
+            raise SnapshotUnavailable(f"snapshot of step {snap.step}: {exc}") from exc
+        return state
+
     @torch.no_grad()
-    def restore(self, snap: Snapshot, *, restore_schedule: bool, restore_rng: bool = False) -> Snapshot:
+    def restore(self, snap: Snapshot, *, restore_schedule: bool, restore_rng: bool = False,
+                state: dict[str, Any] | None = None) -> Snapshot:
         """Copy the snapshot back into training (the snapshot itself is never aliased). Returns
         the snapshot actually restored (an older one if the disk copy was unreadable). All or
         nothing: everything is read and checked first; :class:`SnapshotUnavailable` means
-        nothing was changed."""
-        snap, st = self.load_state(snap)
+        nothing was changed. ``state``: ``snap``'s state already read by :meth:`load_exact`."""
+        if state is not None:
+            st = state
+        else:
+            snap, st = self.load_state(snap)
         # copies into the existing parameters (sharded: each piece back into its DTensor)
         self.model.load_state_dict(rewrap_state(st["model"], self.model.state_dict()))
         # one restore for every tier: optimizer state back, its current settings kept (gradguard.recovery)

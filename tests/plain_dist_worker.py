@@ -108,7 +108,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ladder = [["tighten_clip", "adam"]] if scenario == "clip" else [["rollback", "lower_lr"]]
     recovery: dict = {"snapshot_interval": 2, "confirm_steps": 1}
-    if scenario == "disk":
+    if scenario in ("disk", "disk_damaged"):
         recovery["disk_dir"] = os.path.join(out, "snaps")
         ladder = [["rollback"]]
     over: dict = {}
@@ -136,10 +136,14 @@ def main(out: str, strategy: str, scenario: str) -> None:
         if rank == 1 and step == 4:
             loss = loss * float("nan")  # a NaN in rank 1's batch only
         loss.backward()
+        if scenario == "disk_damaged" and rank == 1 and step == 7:  # rank 1's newest snapshot file damaged
+            path = guard.snapshots.disk.path(2)
+            with open(path, "r+b") as fh:
+                fh.truncate(100)
         r = guard.step(loss)
         opt.zero_grad(set_to_none=True)
         reports.append(r)
-        if scenario == "disk" and guard.snapshots is not None and guard.snapshots.disk is not None:
+        if scenario.startswith("disk") and guard.snapshots is not None and guard.snapshots.disk is not None:
             d = guard.snapshots.disk.directory
             disk_files = [os.path.join(os.path.basename(d), f) for f in sorted(os.listdir(d))] or disk_files
         if resume and step == 8:  # a new guard from this one's state, as after a restart
@@ -147,6 +151,8 @@ def main(out: str, strategy: str, scenario: str) -> None:
             guard.close()
             guard = gg.Guard(model, opt, config=conf)
             guard.load_state_dict(state)
+    events = [json.loads(line) for line in open(guard.log_path)] if guard.log_path and rank == 0 else []
+    fallbacks = [e for e in events if e["type"] == "snapshot_fallback"]
     digest = hashlib.sha256(json.dumps(full_params(model)).encode()).hexdigest()
     first = reports[0]
     res = {"rank": rank, "world": world, "strategy": strategy,
@@ -158,7 +164,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
            "losses": [r.loss for r in reports], "totals": [r.total_norm for r in reports], "mult": guard.lr.global_mult, "max_norm": guard.clip.max_norm,
            "steps": guard.step_count, "weights": digest, "params": full_params(model),
            "betas": [list(g["betas"]) for g in opt.param_groups], "disk_files": disk_files,
-           "pid": os.getpid()}
+           "pid": os.getpid(), "fallbacks": fallbacks}
     guard.close()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(res, fh)

@@ -96,3 +96,10 @@ def test_fsdp1_with_flat_parameters_is_refused_at_attach_with_the_alternative(tm
     for r in (r0, r1):
         assert "use_orig_params=False" in r["refused"] and "use_orig_params=True" in r["refused"]
         assert "fully_shard" in r["refused"]
+
+
+def test_fsdp2_a_snapshot_damaged_on_one_rank_all_ranks_roll_back_to_the_same_older_step(tmp_path_factory):
+    r0, r1 = run(tmp_path_factory, "fsdp2", "disk_damaged")
+    same_decisions(r0, r1)  # without the vote rank 1 alone would fall back to step 0: the weights would differ
+    assert [a[:3] for a in r0["actions"]] == [[7, "rollback", 0]]
+    assert any("failed its checksum" in p for e in r0["fallbacks"] for p in e["problems"])
