@@ -9,12 +9,15 @@ For each strategy (DDP, FSDP2 ``fully_shard``) the arms run interleaved, in roun
 model, data and process group:
 
 * ``unguarded``: ``backward`` + ``clip_grad_norm_`` + ``optimizer.step()`` (the usual loop);
+* ``no_clip``: ``backward`` + ``optimizer.step()`` (no norm at all);
 * ``guard``: ``gg.Guard.step`` (norms, the step's one all-reduce, detection, clipping), no snapshots;
 * ``guard_snap``: the same with a snapshot of each rank's own state every step (the worst case:
   the default interval is 50 steps).
 
-Step times are medians over the measured steps (rank 0's, after a barrier per step so ranks are in
-step); ratios are against ``unguarded`` of the same round. The bare collective (the packed
+The arms alternate step by step (the order rotating), so load drift on a shared machine hits all
+of them alike. Step times are medians over the measured steps (rank 0's, between barriers so the
+ranks are in step); a ratio is the median over rounds of (arm's median / ``unguarded``'s median in
+that round), with the 25th-75th percentile of the rounds in brackets. The bare collective (the packed
 all-reduce of the per-layer squares, loss and scale) and one snapshot are timed on their own as
 well. Results: ``benchmarks/results/scale-<date>-<backend>.{json,md}``.
 """
@@ -41,7 +44,7 @@ sys.path.insert(0, ROOT)
 
 import gradguard as gg  # noqa: E402
 
-ARMS = ("unguarded", "guard", "guard_snap")
+ARMS = ("unguarded", "no_clip", "guard", "guard_snap")
 
 
 class MLP(nn.Module):
@@ -87,6 +90,8 @@ def run_arm(arm: str, model: nn.Module, opt: torch.optim.Optimizer, guard: Any, 
         if arm == "unguarded":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+        elif arm == "no_clip":
+            opt.step()
         else:
             guard.step(loss)
         opt.zero_grad(set_to_none=True)
@@ -110,6 +115,11 @@ def time_collective(n: int, device: torch.device, reps: int) -> float:
     return statistics.median(out)
 
 
+def _pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q / 100 * (len(v) - 1))))]
+
+
 def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -128,18 +138,22 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
         for arm in ARMS:  # one model, optimizer and guard per arm (same initial weights and data)
             model = build(strategy, args, device)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            guard = None if arm == "unguarded" else gg.Guard(model, opt, config=gg.GuardConfig.preset(
+            guard = None if arm in ("unguarded", "no_clip") else gg.Guard(model, opt, config=gg.GuardConfig.preset(
                 "default", output=quiet, recovery={"snapshot_interval": 1 if arm == "guard_snap" else 0}))
             arms[arm] = (model, opt, guard)
             run_arm(arm, model, opt, guard, batches, args.warmup, device)
         per_arm: dict[str, list[float]] = {a: [] for a in ARMS}
         ratios: dict[str, list[float]] = {a: [] for a in ARMS if a != "unguarded"}
-        for _ in range(args.rounds):
+        for rnd in range(args.rounds):
+            times: dict[str, list[float]] = {a: [] for a in ARMS}
+            for i in range(args.steps):  # interleaved step by step, the order rotating: load drift cancels
+                k = (rnd + i) % len(ARMS)
+                for arm in ARMS[k:] + ARMS[:k]:
+                    times[arm].extend(run_arm(arm, *arms[arm], batches[i % len(batches):], 1, device))
             med = {}
             for arm in ARMS:
-                t = run_arm(arm, *arms[arm], batches, args.steps, device)
-                per_arm[arm].extend(t)
-                med[arm] = statistics.median(t)
+                per_arm[arm].extend(times[arm])
+                med[arm] = statistics.median(times[arm])
             for arm in ratios:
                 ratios[arm].append(med[arm] / med["unguarded"])
         snap_guard = arms["guard_snap"][2]
@@ -148,6 +162,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
         results[strategy] = {
             "median_step_s": {a: statistics.median(v) for a, v in per_arm.items()},
             "ratio_vs_unguarded": {a: statistics.median(v) for a, v in ratios.items()},
+            "ratio_iqr": {a: [_pct(v, 25), _pct(v, 75)] for a, v in ratios.items()},
             "ratio_rounds": ratios,
             "collective_s": time_collective(n_packed, device, args.reps),
             "packed_floats": n_packed,
@@ -181,13 +196,16 @@ def write(results: dict[str, Any], args: argparse.Namespace, world: int) -> None
     lines = [f"Scale-out cost, {args.backend}, {world} processes ({doc['gpu'] or f'{os.cpu_count()} CPUs'}), "
              f"MLP {args.depth}x{args.width} ({next(iter(results.values()))['params']:,} parameters), "
              f"batch {args.batch}/rank, {args.rounds} interleaved rounds x {args.steps} steps", "",
-             "| strategy | unguarded step | guard step (ratio) | guard + snapshot every step (ratio) | "
-             "all-reduce alone | snapshot per rank |",
-             "|---|---|---|---|---|---|"]
+             "| strategy | unguarded step (clip_grad_norm_) | no clip (ratio) | guard step (ratio) | "
+             "guard + snapshot every step (ratio) | all-reduce alone | snapshot per rank |",
+             "|---|---|---|---|---|---|---|"]
     for strategy, r in results.items():
-        m, q = r["median_step_s"], r["ratio_vs_unguarded"]
-        lines.append(f"| {strategy} | {m['unguarded'] * 1e3:.2f} ms | {m['guard'] * 1e3:.2f} ms ({q['guard']:.2f}x) | "
-                     f"{m['guard_snap'] * 1e3:.2f} ms ({q['guard_snap']:.2f}x) | {r['collective_s'] * 1e6:.0f} us "
+        m, q, iqr = r["median_step_s"], r["ratio_vs_unguarded"], r["ratio_iqr"]
+        lines.append(f"| {strategy} | {m['unguarded'] * 1e3:.2f} ms | {m['no_clip'] * 1e3:.2f} ms "
+                     f"({q['no_clip']:.2f}x [{iqr['no_clip'][0]:.2f}, {iqr['no_clip'][1]:.2f}]) | {m['guard'] * 1e3:.2f} ms ({q['guard']:.2f}x "
+                     f"[{iqr['guard'][0]:.2f}, {iqr['guard'][1]:.2f}]) | "
+                     f"{m['guard_snap'] * 1e3:.2f} ms ({q['guard_snap']:.2f}x [{iqr['guard_snap'][0]:.2f}, "
+                     f"{iqr['guard_snap'][1]:.2f}]) | {r['collective_s'] * 1e6:.0f} us "
                      f"({r['packed_floats']} floats) | {r['snapshot_s_per_rank'] * 1e3:.2f} ms, "
                      f"{r['snapshot_bytes_per_rank'] / 2**20:.2f} MiB |")
     with open(os.path.join(args.out, name + ".md"), "w") as fh:
@@ -203,8 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=20, help="measured steps per arm and round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=15, help="measured steps per arm and round")
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=200, help="repetitions of the bare all-reduce")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per process (CPU)")
