@@ -10,6 +10,7 @@ and :meth:`GuardCore.after_step` once the optimizer has (or has not) stepped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -754,6 +755,9 @@ class Guard(GuardCore):
         check_optimizer(unwrap_optimizer(optimizer))  # closure optimizers (LBFGS) are refused
         refuse_setup(model)  # sharded layouts gradguard cannot measure (FSDP1 flat parameters)
         self._misuse = MisuseWatch()
+        config = GuardConfig.coerce(config)
+        if not is_rank0():  # several processes: one event log and one console per run, as in every engine
+            config = dataclasses.replace(config, output=dataclasses.replace(config.output, jsonl=False, console=False))
         super().__init__(model, optimizer, config=config, sinks=sinks, out_dir=out_dir, layer_fn=layer_fn,
                          scheduler=scheduler, scaler=scaler)
         self.user_optimizer = optimizer

@@ -164,7 +164,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
            "losses": [r.loss for r in reports], "totals": [r.total_norm for r in reports], "mult": guard.lr.global_mult, "max_norm": guard.clip.max_norm,
            "steps": guard.step_count, "weights": digest, "params": full_params(model),
            "betas": [list(g["betas"]) for g in opt.param_groups], "disk_files": disk_files,
-           "pid": os.getpid(), "fallbacks": fallbacks}
+           "pid": os.getpid(), "fallbacks": fallbacks, "log": guard.log_path}
     guard.close()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(res, fh)
