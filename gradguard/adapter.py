@@ -89,7 +89,7 @@ def sharding_problems(model: Any) -> dict[str, str]:
 def refuse_setup(model: Any) -> None:
     """The plain loop's refusal (its user built the guard explicitly, so monitor mode refuses too):
     :class:`UnsupportedSetupError` naming the setting, the reason and the alternative."""
-    problems = sharding_problems(model)
+    problems = sharding_problems(model) if isinstance(model, torch.nn.Module) else {}
     if problems:
         setting, why = next(iter(problems.items()))
         raise UnsupportedSetupError(f"gradguard: {setting}: {why}")
