@@ -27,6 +27,8 @@ __all__ = [
     "hf_callback_being_restored", "pl_saving_checkpoint_path",
     "swap_class", "check_features", "versions", "has_foreach_support", "device_dtype_groups", "HF_NORM_METHOD", "hf_norm_pass_plain",
     "pl_log_step", "pl_should_update_logs",
+    "swap_class", "check_features", "versions", "dtensor_type", "fsdp1_units", "fsdp1_uses_orig_params",
+    "fsdp1_shard_size",
 ]
 
 _MISSING = object()
@@ -333,6 +335,8 @@ def wandb_workspace_load(view: dict[str, Any]) -> Any:
     from wandb_workspaces.workspaces import Workspace, internal
 
     return Workspace._from_model(internal.View.model_validate(view))
+
+
 # -- Lightning: the logging cadence ---------------------------------------------------------------
 def pl_log_step(trainer: Any) -> int:
     """The step Lightning logs the current batch's ``self.log`` values at (``_batches_that_stepped``:
@@ -351,3 +355,38 @@ def pl_should_update_logs(trainer: Any) -> bool:
         every = int(getattr(trainer, "log_every_n_steps", 50) or 0)
         return bool(every) and (pl_log_step(trainer) + 1) % every == 0
     return bool(value)
+
+
+# -- torch.distributed: sharded parameters (FSDP2 DTensors, FSDP1) ----------------------------------
+def dtensor_type() -> type | None:
+    """``torch.distributed.tensor.DTensor`` (FSDP2 parameters and gradients), or None."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+def fsdp1_units(model: Any) -> list[Any]:
+    """The ``FullyShardedDataParallel`` (FSDP1) modules inside ``model`` (empty without FSDP1)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except Exception:  # pragma: no cover
+        return []
+    return [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+
+
+def fsdp1_uses_orig_params(unit: Any) -> bool:
+    """Whether an FSDP1 unit exposes the original parameters (``use_orig_params=True``: private
+    ``_use_orig_params``) rather than one flat parameter per unit."""
+    return bool(getattr(unit, "_use_orig_params", False))
+
+
+def fsdp1_shard_size(unit: Any) -> int:
+    """How many processes one FSDP1 unit spreads each parameter over (1: ``NO_SHARD``; its shard
+    group's size otherwise, which is the node for hybrid sharding)."""
+    strategy = getattr(getattr(unit, "sharding_strategy", None), "name", "FULL_SHARD")
+    if strategy == "NO_SHARD":
+        return 1
+    group = getattr(unit, "process_group", None)
+    return int(torch.distributed.get_world_size(group)) if group is not None else 1

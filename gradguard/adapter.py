@@ -1,6 +1,7 @@
 """What every engine adapter does the same way, implemented once.
 
-* :func:`refuse_unsupported`: the setups no engine guards (DeepSpeed, FSDP, optimizers that update
+* :func:`refuse_unsupported`: the setups an engine does not guard (:data:`ENGINE_REFUSALS`: DeepSpeed
+  everywhere, FSDP under the HF and Lightning callbacks, FSDP1 flat parameters; optimizers that update
   inside backward): :class:`UnsupportedSetupError` at attach when the policy acts; in monitor mode a
   warning, and the guard stands aside (it must never be what stops a run the engine accepts).
 * :func:`resolve_clip`: the clip conflict rule. gradguard owns norm clipping when it acts and
@@ -31,7 +32,7 @@ from ._compat import shadow_method, unshadow_method
 from .config import ClipConfig, GuardConfig
 from .errors import ConfigError, GradGuardHalt, StateError, UnsupportedSetupError, warn
 
-__all__ = ["refuse_unsupported", "unusable_resume_state", "resolve_clip", "may_wrap", "SchedulerHold", "HaltLatch", "free_memory",
+__all__ = ["refuse_unsupported", "unusable_resume_state", "ENGINE_REFUSALS", "engine_refusal", "sharding_problems", "refuse_setup", "resolve_clip", "may_wrap", "SchedulerHold", "HaltLatch", "free_memory",
            "halt_raises"]
 
 
@@ -64,6 +65,47 @@ def unusable_resume_state(config: GuardConfig, exc: StateError) -> None:
     if config.policy.act:
         raise exc
     warn(f"gradguard: {exc} Monitor mode starts with a fresh guard state instead")
+
+
+#: Distributed setups refused in every engine alike: ``{kind: (why, alternative)}``. The plain loop
+#: (:class:`gradguard.Guard`) guards DDP, FSDP2 (``fully_shard``) and FSDP1 with
+#: ``use_orig_params=True``; the HF and Lightning callbacks guard DDP.
+ENGINE_REFUSALS: dict[str, tuple[str, str]] = {
+    "deepspeed": ("DeepSpeed steps the optimizer, scales the loss and clips inside its engine, so gradguard can "
+                  "neither measure the pre-clip gradients nor skip a step safely",
+                  "train with DDP, or shard with FSDP2 (torch.distributed.fsdp.fully_shard) in a plain loop "
+                  "guarded by gradguard.Guard; or remove gradguard"),
+    "fsdp": ("gradguard guards sharded training in the plain loop only: this engine's FSDP integration (its "
+             "wrapping, clipping and checkpoint restore) is not supported",
+             "train with DDP under this engine, or shard with FSDP2 (torch.distributed.fsdp.fully_shard) or "
+             "FullyShardedDataParallel(use_orig_params=True) in a plain loop guarded by gradguard.Guard; or "
+             "remove the callback"),
+}
+
+
+def engine_refusal(kind: str, setting: str, detail: str = "") -> dict[str, str]:
+    """``{setting: why + the fix}`` for a setup of :data:`ENGINE_REFUSALS` (``detail`` joins the why)."""
+    why, fix = ENGINE_REFUSALS[kind]
+    return {setting: f"{why}{detail}. Fix: {fix}"}
+
+
+def sharding_problems(model: Any) -> dict[str, str]:
+    """The model's layouts no engine guards (FSDP1 with flat parameters, a DeepSpeed engine), as
+    :func:`refuse_unsupported` takes them; every adapter adds these to its own."""
+    from ._shard import unsupported_sharding
+
+    if type(model).__name__ == "DeepSpeedEngine":
+        return engine_refusal("deepspeed", f"model={type(model).__name__}")
+    return unsupported_sharding(model)
+
+
+def refuse_setup(model: Any) -> None:
+    """The plain loop's refusal (its user built the guard explicitly, so monitor mode refuses too):
+    :class:`UnsupportedSetupError` naming the setting, the reason and the alternative."""
+    problems = sharding_problems(model) if isinstance(model, torch.nn.Module) else {}
+    if problems:
+        setting, why = next(iter(problems.items()))
+        raise UnsupportedSetupError(f"gradguard: {setting}: {why}")
 
 
 def resolve_clip(config: GuardConfig, engine_value: float | None, *, engine_default: float | None,

@@ -10,6 +10,7 @@ and :meth:`GuardCore.after_step` once the optimizer has (or has not) stepped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from ._compat import scaler_found_inf, scaler_scale, set_scaler_scale
+from ._shard import sharding
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
 from .advice import advise
 from .config import RUNG_ACTIONS, GuardConfig
@@ -142,6 +144,8 @@ class GuardCore:
         self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern, optimizer=self.optimizer)
         self._check_optimizer_covers_model()
         self.measurer = GradMeasurer(self.layers)
+        # FSDP: local pieces measured, summed by the step's one reduction (gradguard._shard)
+        self.measurer.sharding = sharding(model, self.collective.world_size, self.reduce)
         self.detectors = Detectors(config.detect)
         self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(model, self.layers))
         self.policy = Policy(config.policy)
@@ -558,14 +562,43 @@ class GuardCore:
         self.diagnosis_path = path
         return path
 
+    def _agreed_snapshot(self) -> tuple[Any, dict[str, Any] | None, str | None]:
+        """Several processes: the newest snapshot every process can read (one vote per snapshot
+        tried, in the same order everywhere: the rings hold the same steps on every rank), so all
+        ranks restore the same step even when one rank's file is damaged."""
+        assert self.snapshots is not None
+        usable = self.snapshots.usable()
+        problems: list[str] = []
+        for snap in usable:
+            try:
+                state: dict[str, Any] | None = self.snapshots.load_exact(snap)
+            except SnapshotUnavailable as exc:
+                state = None
+                problems.append(str(exc))
+            if self.collective.all_agree(state is not None):
+                if snap is not usable[0]:
+                    self.snapshots.problems.extend(problems or [f"snapshot of step {usable[0].step} unreadable "
+                                                                "on another process"])
+                return snap, state, None
+            if state is not None:
+                problems.append(f"snapshot of step {snap.step} unreadable on another process")
+        return None, None, "; ".join(problems) or "no snapshot readable on every process"
+
     def _rollback(self, a: Action) -> dict[str, Any]:
         snap = self.snapshots.best() if self.snapshots is not None else None
         problem = None
-        if snap is not None:
+        agreed_state = None
+        if snap is not None and self.collective.world_size > 1:
             wanted = snap.step
+            snap, agreed_state, problem = self._agreed_snapshot()
+            if snap is None:
+                self._emit({"type": "snapshot_fallback", "step": a.step, "wanted": wanted, "restored": None,
+                            "problems": [problem]})
+        if snap is not None:
+            wanted = snap.step if agreed_state is None else wanted
             try:  # all or nothing: files, model and optimizer layout are checked before any change
                 snap = self.snapshots.restore(snap, restore_schedule=self.config.recovery.restore_schedule,  # type: ignore[union-attr]
-                                              restore_rng=self.config.recovery.restore_rng)
+                                              restore_rng=self.config.recovery.restore_rng, state=agreed_state)
             except SnapshotUnavailable as exc:
                 problem = str(exc)
                 self._emit({"type": "snapshot_fallback", "step": a.step, "wanted": wanted, "restored": None,
@@ -904,10 +937,15 @@ class Guard(GuardCore):
                  scaler: Any = None, config: GuardConfig | None = None, sinks: list[Sink] | None = None,
                  out_dir: str | None = None, layer_fn: Callable[[str], str] | None = None,
                  batches: Any = None) -> None:
+        from .adapter import refuse_setup
         from .misuse import MisuseWatch, check_optimizer
 
         check_optimizer(unwrap_optimizer(optimizer))  # closure optimizers (LBFGS) are refused
+        refuse_setup(model)  # sharded layouts gradguard cannot measure (FSDP1 flat parameters)
         self._misuse = MisuseWatch()
+        config = GuardConfig.coerce(config)
+        if not is_rank0():  # several processes: one event log and one console per run, as in every engine
+            config = dataclasses.replace(config, output=dataclasses.replace(config.output, jsonl=False, console=False))
         super().__init__(model, optimizer, config=config, sinks=sinks, out_dir=out_dir, layer_fn=layer_fn,
                          scheduler=scheduler, scaler=scaler)
         self.user_optimizer = optimizer

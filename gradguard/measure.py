@@ -17,7 +17,7 @@ from .errors import UnsupportedSetupError
 __all__ = ["default_layer_name", "LayerMap", "Measurement", "EngineClip", "GradMeasurer", "metric_key",
            "norm_layers", "is_norm_module", "fused_layer_sq_norms", "accumulation_dtype"]
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
 def default_layer_name(param_name: str) -> str:
@@ -32,7 +32,8 @@ def default_layer_name(param_name: str) -> str:
             if name.startswith(prefix):
                 name = name[len(prefix):]
                 changed = True
-        name = name.replace("._orig_mod.", ".").replace("._fsdp_wrapped_module.", ".")
+        for inner in ("._orig_mod.", "._fsdp_wrapped_module.", "._checkpoint_wrapped_module."):
+            name = name.replace(inner, ".")
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.isdigit():
@@ -232,7 +233,8 @@ def accumulation_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
 
 def fused_layer_sq_norms(grads: list[torch.Tensor], groups: list[list[int]], index: torch.Tensor,
                          out: torch.Tensor, *, native: bool = False,
-                         foreach: list[bool] | None = None) -> list[torch.Tensor | None]:
+                         foreach: list[bool] | None = None,
+                         weights: torch.Tensor | None = None) -> list[torch.Tensor | None]:
     """The step's one pass over the gradients: per-tensor L2 norms (one fused kernel per (device,
     dtype) group of ``groups``), squared and summed per layer into ``out`` (``out[l]`` = sum of the
     squared norms of the gradients whose ``index`` entry is ``l``; ``index`` follows the
@@ -241,8 +243,10 @@ def fused_layer_sq_norms(grads: list[torch.Tensor], groups: list[list[int]], ind
     Norms are computed in each gradient's own dtype for float32/float64 and in float32 for 16-bit
     gradients, unless ``native``: then in their own dtype too, exactly as ``clip_grad_norm_``
     computes them (so that the engine's total can be derived from them). ``foreach``: per group,
-    whether the fused kernel applies (computed when not given). Returns the per-tensor norms in the
-    order of ``grads``."""
+    whether the fused kernel applies (computed when not given). ``weights`` (in the order of
+    ``grads``): factors of the squared norms (sharded gradients: a local shard's weight makes the
+    step's mean reduction return the global sum). Returns the per-tensor norms in the order of
+    ``grads``."""
     per_tensor: list[torch.Tensor | None] = [None] * len(grads)
     parts = []
     for k, positions in enumerate(groups):
@@ -255,6 +259,9 @@ def fused_layer_sq_norms(grads: list[torch.Tensor], groups: list[list[int]], ind
             stacked = stacked.to(device=out.device, dtype=out.dtype, non_blocking=True)
         parts.append(stacked)
     sq = (parts[0] if len(parts) == 1 else torch.cat(parts)).square()
+    if weights is not None:
+        order = torch.tensor([i for positions in groups for i in positions], device=weights.device)
+        sq = sq * weights.index_select(0, order).to(device=sq.device, dtype=sq.dtype)
     out.zero_().index_add_(0, index, sq)
     return per_tensor
 
@@ -291,6 +298,7 @@ class GradMeasurer:
         self._engine_total: torch.Tensor | None = None  # the last EngineClip's total norm (device)
         self._engine: EngineClip | None = None
         self.transfers = 0  # host-device transfers made by measure(): one per call
+        self.sharding: Any = None  # gradguard._shard.Sharding when parameters are sharded (FSDP)
 
     def grads(self) -> tuple[list[torch.Tensor], list[int]]:
         grads, owners = [], []
@@ -356,6 +364,10 @@ class GradMeasurer:
         extra_list = list(extras)
         n_extra = len(extra_list)
         self._engine_total, self._engine = None, None
+        weights = None
+        if self.sharding is not None and grads:  # local pieces; weights make the mean reduction sum them
+            grads, weights = self.sharding.localize(grads)
+            engine = None  # the engine's own clip is not taken over under sharding
         plan = self._plan(grads, owners) if grads else None
         device = plan.device if plan is not None else torch.device("cpu")
         dtype = plan.dtype if plan is not None else torch.float32
@@ -365,12 +377,12 @@ class GradMeasurer:
         if plan is not None:
             try:
                 per_tensor = fused_layer_sq_norms(grads, plan.groups, plan.index, buf[:n_layers],
-                                                  native=engine is not None, foreach=plan.foreach)
+                                                  native=engine is not None, foreach=plan.foreach, weights=weights)
             except RuntimeError:  # a gradient changed dtype or device under a cached plan
                 self._plans.clear()
                 plan = self._plan(grads, owners)
                 per_tensor = fused_layer_sq_norms(grads, plan.groups, plan.index, buf[:n_layers],
-                                                  native=engine is not None)
+                                                  native=engine is not None, weights=weights)
             if engine is not None:
                 engine_vals = self._engine_total_of(engine, grads, per_tensor)
         else:
@@ -434,11 +446,16 @@ class GradMeasurer:
 
     @torch.no_grad()
     def _layer_norms_of(self, tensors: list[torch.Tensor]) -> list[float]:
+        weights = None
+        if self.sharding is not None:
+            tensors, weights = self.sharding.localize(tensors)
         device = tensors[0].device
         groups = _groups(tensors)
         index = torch.tensor([self.layers.layer_index[i] for g in groups for i in g], device=device)
         out = torch.zeros(len(self.layers), device=device, dtype=accumulation_dtype(tensors))
-        fused_layer_sq_norms(tensors, groups, index, out)
+        fused_layer_sq_norms(tensors, groups, index, out, weights=weights)
+        if self.sharding is not None:
+            out = self.sharding.combine(out)
         self.transfers += 1
         return [v ** 0.5 for v in out.tolist()]
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import _io
+from ._shard import local_state, rewrap_optimizer_state, rewrap_state
 
 __all__ = ["Snapshot", "SnapshotRing", "DiskSnapshots", "SnapshotUnavailable", "copy_state", "copy_into",
            "state_nbytes", "model_fingerprint", "optimizer_structure", "clean_orphans"]
@@ -378,12 +379,14 @@ class SnapshotRing:
         t0 = time.perf_counter()
         spare, self._spare = self._spare, None
         to_disk = self.disk is not None and self.disk_writable
+        # sharded (FSDP): this process's own pieces, as plain tensors (gradguard._shard)
+        model_sd, opt_sd = local_state(self.model.state_dict()), local_state(self.optimizer.state_dict())
         if spare is not None and not to_disk:
-            tensors = {"model": copy_into(spare["model"], self.model.state_dict()),
-                       "optimizer": copy_into(spare["optimizer"], self.optimizer.state_dict())}
+            tensors = {"model": copy_into(spare["model"], model_sd),
+                       "optimizer": copy_into(spare["optimizer"], opt_sd)}
         else:
-            tensors = {"model": copy_state(self.model.state_dict(), "cpu", pin=True),
-                       "optimizer": copy_state(self.optimizer.state_dict(), "cpu", pin=True)}
+            tensors = {"model": copy_state(model_sd, "cpu", pin=True),
+                       "optimizer": copy_state(opt_sd, "cpu", pin=True)}
         state: dict[str, Any] = {**tensors, "rng": _rng_state(), "fingerprint": self.fingerprint}
         if self.scheduler is not None:
             state["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
@@ -493,7 +496,7 @@ class SnapshotRing:
         current = model_fingerprint(self.model)
         if fp != current:
             raise ValueError(f"snapshot is from another model (fingerprint {fp!r}, this model {current!r})")
-        live = self.model.state_dict()
+        live = local_state(self.model.state_dict())
         saved = state["model"]
         if not isinstance(saved, dict) or set(saved) != set(live):
             raise ValueError("snapshot's model tensors do not match this model's")
@@ -536,18 +539,42 @@ class SnapshotRing:
                                                    tested=True, meta={"recovered_from_disk": True})
         return snap, state
 
+    def usable(self) -> list[Snapshot]:
+        """Every restorable snapshot (see :meth:`best`), newest first."""
+        return sorted(self.ring + [s for s in self.candidates if s.tested], key=lambda s: s.step, reverse=True)
+
+    def load_exact(self, snap: Snapshot) -> dict[str, Any]:
+        """The checked state of exactly ``snap`` (no fallback to an older one), changing nothing;
+        :class:`SnapshotUnavailable` when it cannot be read or does not fit."""
+        if snap.state:
+            return self.load_state(snap)[1]
+        if self.disk is None or "path" not in snap.meta:
+            raise SnapshotUnavailable(f"snapshot of step {snap.step} holds no state")
+        try:
+            state = self.disk.load(snap.step)
+            self.check_restorable(state)
+        except Exception as exc:  # corrupt zip, bad checksum, missing file, other model
+            raise SnapshotUnavailable(f"snapshot of step {snap.step}: {exc}") from exc
+        return state
+
     @torch.no_grad()
-    def restore(self, snap: Snapshot, *, restore_schedule: bool, restore_rng: bool = False) -> Snapshot:
+    def restore(self, snap: Snapshot, *, restore_schedule: bool, restore_rng: bool = False,
+                state: dict[str, Any] | None = None) -> Snapshot:
         """Copy the snapshot back into training (the snapshot itself is never aliased). Returns
         the snapshot actually restored (an older one if the disk copy was unreadable). All or
         nothing: everything is read and checked first; :class:`SnapshotUnavailable` means
-        nothing was changed."""
-        snap, st = self.load_state(snap)
-        self.model.load_state_dict(st["model"])  # copies into the existing parameters
+        nothing was changed. ``state``: ``snap``'s state already read by :meth:`load_exact`."""
+        if state is not None:
+            st = state
+        else:
+            snap, st = self.load_state(snap)
+        # copies into the existing parameters (sharded: each piece back into its DTensor)
+        self.model.load_state_dict(rewrap_state(st["model"], self.model.state_dict()))
         # one restore for every tier: optimizer state back, its current settings kept (gradguard.recovery)
         from .recovery import load_optimizer_keeping_settings
 
-        load_optimizer_keeping_settings(self.optimizer, st["optimizer"], restore_schedule=restore_schedule)
+        load_optimizer_keeping_settings(self.optimizer, rewrap_optimizer_state(st["optimizer"], self.optimizer),
+                                        restore_schedule=restore_schedule)
         if self.scheduler is not None and restore_schedule and "scheduler" in st:
             self.scheduler.load_state_dict(copy.deepcopy(st["scheduler"]))
         if self.scaler is not None and "scaler" in st:

@@ -148,3 +148,24 @@ def test_engine_overhead_cuda_skips_without_gpu(tmp_path, capsys):
         pytest.skip("a GPU is present")
     assert overhead.main(["--engines", "hf", "--device", "cuda", "--out", str(tmp_path)]) is None
     assert "no CUDA device" in capsys.readouterr().out and not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_scale_benchmark_structure(tmp_path):
+    """benchmarks/scale.py on a tiny model: 2 gloo processes, every arm and strategy, the table written."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "scale.py"), "--width", "16", "--depth", "2",
+           "--batch", "4", "--steps", "2", "--rounds", "2", "--warmup", "1", "--reps", "3", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(next(tmp_path.glob("scale-*-gloo2.json")).read_text())
+    assert doc["world"] == 2 and set(doc["results"]) == {"ddp", "fsdp2"}
+    for r in doc["results"].values():
+        assert set(r["ratio_vs_unguarded"]) == {"no_clip", "guard", "guard_snap"} and r["collective_s"] > 0
+        assert r["snapshot_bytes_per_rank"] > 0 and r["packed_floats"] == r["layers"] + 3
+    # each rank snapshots only its shard under FSDP2: half the DDP replica's bytes (2 ranks)
+    assert doc["results"]["fsdp2"]["snapshot_bytes_per_rank"] < doc["results"]["ddp"]["snapshot_bytes_per_rank"]
+    assert "| fsdp2 |" in next(tmp_path.glob("scale-*.md")).read_text()

@@ -507,3 +507,23 @@ def test_ddp_two_ranks_fault_on_one_rank_identical_actions_and_params(tmp_path):
     # the data window after the rollback (1 step) ran no forward on either rank (zero loss under DDP)
     assert r0["window"] == r1["window"] == 1 and r0["steps"] == r1["steps"] == 10
     assert r0["computed"] == r1["computed"] == 9
+
+
+def test_sharded_strategies_are_refused_at_attach_with_the_plain_loop_as_alternative(tmp_path):
+    """FSDP2 through Lightning (ModelParallelStrategy) is refused by the same table as every engine."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from gradguard.adapter import ENGINE_REFUSALS
+
+    class Sharded(LitGPT):
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.model)
+
+    cb = GradGuardCallback(cfg(tmp_path))
+    with pytest.raises(gg.UnsupportedSetupError, match=r"strategy=ModelParallelStrategy.*fully_shard") as err:
+        fit(Sharded(), [cb], tmp_path=tmp_path, steps=2, strategy=ModelParallelStrategy())
+    assert ENGINE_REFUSALS["fsdp"][1] in str(err.value)  # the same reason and fix as under every engine
+    if torch.distributed.is_initialized():  # the strategy's one-process group: not left to later tests
+        torch.distributed.destroy_process_group()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..adapter import engine_refusal
+
 __all__ = ["unsupported", "log_entries"]
 
 _UNSKIPPABLE_OPTIMS = ("lomo", "adalomo")  # update inside backward: no optimizer step to skip
@@ -14,14 +16,10 @@ def unsupported(args: Any, optimizer: Any) -> dict[str, str]:
     if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None) is not None:
         ds = args.deepspeed
         clip = ds.get("gradient_clipping") if isinstance(ds, dict) else None
-        out[f"TrainingArguments.deepspeed={ds!r}"] = (
-            f"DeepSpeed steps the optimizer and clips inside its engine (gradient_clipping={clip!r}), so gradguard "
-            "can neither measure the pre-clip gradients nor skip a step safely. Fix: train without DeepSpeed when "
-            "using GradGuardCallback, or remove the callback")
+        out.update(engine_refusal("deepspeed", f"TrainingArguments.deepspeed={ds!r}",
+                                  f" (gradient_clipping={clip!r})"))
     if getattr(args, "fsdp", None) and args.fsdp not in ("", [], None):
-        out[f"TrainingArguments.fsdp={args.fsdp!r}"] = (
-            "FSDP shards the gradients, so per-layer norms measured on one rank are partial. Fix: train with DDP "
-            "or a single device when using GradGuardCallback")
+        out.update(engine_refusal("fsdp", f"TrainingArguments.fsdp={args.fsdp!r}"))
     optim_name = str(getattr(args, "optim", "")).lower()
     if any(optim_name.endswith(n) or optim_name == n for n in _UNSKIPPABLE_OPTIMS):
         out[f"TrainingArguments.optim={args.optim!r}"] = (

@@ -5,14 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from .._compat import pl_log_step
+from ..adapter import engine_refusal
 from ..sinks import Sink, TensorBoardSink, WandbSink
 
 __all__ = ["unsupported", "LightningLoggerSink", "live_sinks", "console_writer"]
 
-_REFUSED_STRATEGIES = {"DeepSpeed": "DeepSpeed steps the optimizer and clips inside its engine, so gradguard can "
-                                    "neither measure the pre-clip gradients nor skip a step safely",
-                       "FSDP": "FSDP shards the gradients, so per-layer norms measured on one rank are partial"}
-
+# strategy class names (substring) -> ENGINE_REFUSALS kind; ModelParallelStrategy is FSDP2 (+ TP)
+_REFUSED_STRATEGIES = {"DeepSpeed": "deepspeed", "FSDP": "fsdp", "ModelParallel": "fsdp"}
 
 class LightningLoggerSink(Sink):
     """Rows for one Lightning logger (CSV, MLflow, ...: any without a W&B run or a SummaryWriter),
@@ -60,10 +59,10 @@ def live_sinks(trainer: Any, user_sinks: list[Sink]) -> list[Sink]:
 def unsupported(trainer: Any) -> dict[str, str]:
     out: dict[str, str] = {}
     strategy = type(trainer.strategy).__name__
-    for key, why in _REFUSED_STRATEGIES.items():
+    for key, kind in _REFUSED_STRATEGIES.items():
         if key.lower() in strategy.lower():
-            out[f"Trainer(strategy={strategy})"] = f"{why}. Fix: train with DDP or a single device when using " \
-                                                   "GradGuardCallback, or remove the callback"
+            out.update(engine_refusal(kind, f"Trainer(strategy={strategy})"))
+            break
     module = trainer.lightning_module
     trained = {id(p) for p in module.parameters() if p.requires_grad}
     in_opt = {id(p) for opt in trainer.optimizers for g in getattr(opt, "param_groups", []) for p in g["params"]}

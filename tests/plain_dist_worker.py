@@ -1,0 +1,175 @@
+"""Worker for tests/test_scale.py: one rank of a 2-process CPU (gloo) plain-loop run, ``gg.Guard``
+on a DDP / FSDP2 / FSDP1 model. Faults exist on rank 1 only. Writes what this rank saw to
+``<out>/rank<R>.json``.
+
+usage: python -m torch.distributed.run --nproc_per_node 2 tests/plain_dist_worker.py OUT STRATEGY SCENARIO
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gradguard as gg  # noqa: E402
+from gradguard.measure import default_layer_name  # noqa: E402
+from tests._dist import shutdown  # noqa: E402
+
+STEPS = 12
+BATCH = 8  # per rank
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(12, 32), nn.Linear(32, 32), nn.Linear(32, 5)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(BATCH, 12, generator=g)
+    y = (x[:, :5].argmax(dim=1) + step % 2) % 5  # learnable labels
+    return x, y
+
+
+def wrap(model: nn.Module, strategy: str) -> nn.Module:
+    if strategy == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    if strategy in ("fsdp1", "fsdp1_orig"):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=strategy == "fsdp1_orig",
+                    device_id=torch.device("cpu"))  # FSDP1 on the CPU (gloo)
+    raise SystemExit(f"unknown strategy {strategy}")
+
+
+def reference_norms(seed_model: nn.Module, world: int) -> dict[str, float]:
+    """Step 1's per-layer gradient norms of the same model on the batches of every rank, in one process."""
+    ref = MLP()
+    ref.load_state_dict(seed_model.state_dict())
+    xs, ys = zip(*(batch(1, r) for r in range(world)))
+    nn.functional.cross_entropy(ref(torch.cat(xs)), torch.cat(ys)).backward()
+    sq: dict[str, float] = {}
+    for name, p in ref.named_parameters():
+        layer = default_layer_name(name)
+        sq[layer] = sq.get(layer, 0.0) + float(p.grad.double().square().sum())
+    return {k: v ** 0.5 for k, v in sq.items()}
+
+
+def full_params(model: nn.Module) -> list[float]:
+    """Every parameter, gathered (sharded strategies) in a fixed order."""
+    out: list[float] = []
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(model, torch.distributed.fsdp.FullyShardedDataParallel):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model):
+            for p in model.parameters():
+                out.extend(p.detach().reshape(-1).tolist())
+        return out
+    for p in model.parameters():
+        t = p.detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        out.extend(t.reshape(-1).tolist())
+    return out
+
+
+def main(out: str, strategy: str, scenario: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    base = MLP()
+    ref = reference_norms(base, world)
+    model = wrap(base, strategy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ladder = [["tighten_clip", "adam"]] if scenario == "clip" else [["rollback", "lower_lr"]]
+    recovery: dict = {"snapshot_interval": 2, "confirm_steps": 1}
+    if scenario in ("disk", "disk_damaged"):
+        recovery["disk_dir"] = os.path.join(out, "snaps")
+        ladder = [["rollback"]]
+    over: dict = {}
+    if scenario == "clip":  # clipping on healthy steps, with the global norm
+        over["clip"] = {"max_norm": 0.4, "floor": 0.1}
+    conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out}, policy={"ladder": ladder},
+                                 recovery=recovery, detect={"warmup_steps": 3}, **over)
+    try:
+        guard = gg.Guard(model, opt, config=conf)
+    except gg.UnsupportedSetupError as exc:  # refused at attach, on every rank alike
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+            json.dump({"rank": rank, "refused": str(exc)}, fh)
+        return
+    resume = scenario == "resume"
+    reports = []
+    disk_files: list[str] = []
+    for step in range(1, STEPS + 1):
+        x, y = batch(step, rank)
+        if rank == 1 and step in (6, 7):
+            y = torch.randint(0, 5, y.shape, generator=torch.Generator().manual_seed(step))  # garbage labels
+            x = x * 300
+        loss = nn.functional.cross_entropy(model(x), y)
+        if rank == 1 and step in (6, 7):
+            loss = loss * 50  # the garbage window's loss spike, on rank 1 only
+        if rank == 1 and step == 4:
+            loss = loss * float("nan")  # a NaN in rank 1's batch only
+        loss.backward()
+        if scenario == "disk_damaged" and rank == 1 and step == 7:  # rank 1's newest snapshot file damaged
+            path = guard.snapshots.disk.path(2)
+            with open(path, "r+b") as fh:
+                fh.truncate(100)
+        r = guard.step(loss)
+        opt.zero_grad(set_to_none=True)
+        reports.append(r)
+        if scenario.startswith("disk") and guard.snapshots is not None and guard.snapshots.disk is not None:
+            d = guard.snapshots.disk.directory
+            disk_files = [os.path.join(os.path.basename(d), f) for f in sorted(os.listdir(d))] or disk_files
+        if resume and step == 8:  # a new guard from this one's state, as after a restart
+            state = guard.state_dict()
+            guard.close()
+            guard = gg.Guard(model, opt, config=conf)
+            guard.load_state_dict(state)
+    events = [json.loads(line) for line in open(guard.log_path)] if guard.log_path and rank == 0 else []
+    fallbacks = [e for e in events if e["type"] == "snapshot_fallback"]
+    digest = hashlib.sha256(json.dumps(full_params(model)).encode()).hexdigest()
+    first = reports[0]
+    res = {"rank": rank, "world": world, "strategy": strategy,
+           "actions": [[r.step, a.name, a.params.get("to_step")] for r in reports for a in r.actions],
+           "skipped": [r.step for r in reports if r.skipped],
+           "clipped": [r.step for r in reports if r.clipped],
+           "findings": [[r.step, f.kind] for r in reports for f in r.findings],
+           "norms": first.layer_norms, "total": first.total_norm, "ref": ref,
+           "losses": [r.loss for r in reports], "totals": [r.total_norm for r in reports], "mult": guard.lr.global_mult, "max_norm": guard.clip.max_norm,
+           "steps": guard.step_count, "weights": digest, "params": full_params(model),
+           "betas": [list(g["betas"]) for g in opt.param_groups], "disk_files": disk_files,
+           "pid": os.getpid(), "fallbacks": fallbacks, "log": guard.log_path}
+    guard.close()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(res, fh)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
+    shutdown()

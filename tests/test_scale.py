@@ -1,0 +1,106 @@
+"""Scale-out in the plain loop: ``gg.Guard`` on DDP, FSDP2 (``fully_shard``) and FSDP1 models, two
+gloo processes on the CPU (tests/plain_dist_worker.py under torchrun). Faults exist on rank 1 only
+(a NaN loss at step 4, a garbage-label window with a loss spike at steps 6-7): both ranks must take
+the same actions at the same steps, and the weights must match across ranks and strategies."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RUNS: dict[tuple[str, str], tuple[dict, dict]] = {}
+
+
+def run(tmp_path_factory, strategy: str, scenario: str = "default") -> tuple[dict, dict]:
+    """Both ranks' results of one 2-process run (cached per module: several tests read one run)."""
+    key = (strategy, scenario)
+    if key not in _RUNS:
+        out = tmp_path_factory.mktemp(f"{strategy}-{scenario}")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               os.path.join(ROOT, "tests", "plain_dist_worker.py"), str(out), strategy, scenario]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _RUNS[key] = tuple(json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))  # type: ignore[assignment]
+    return _RUNS[key]
+
+
+def same_decisions(r0: dict, r1: dict) -> None:
+    for k in ("actions", "skipped", "clipped", "findings", "losses", "totals", "mult", "max_norm", "betas", "steps"):
+        assert r0[k] == r1[k], k
+    assert r0["weights"] == r1["weights"]  # every parameter identical on both ranks (gathered under FSDP)
+
+
+def close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tol * (1 + abs(y)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1_orig"])
+def test_fault_on_one_rank_same_actions_on_both_and_norms_of_one_process(tmp_path_factory, strategy):
+    r0, r1 = run(tmp_path_factory, strategy)
+    same_decisions(r0, r1)
+    assert r0["skipped"] == [4, 6, 7]  # the NaN step and the spike window, on both ranks
+    assert [a[:2] for a in r0["actions"]] == [[7, "rollback"], [7, "lower_lr"]] and r0["actions"][0][2] == 2
+    assert r0["mult"] < 1
+    # per-layer norms = those of the same model on both ranks' batches in one process; unsharded names
+    assert set(r0["norms"]) == set(r0["ref"]) == {"layers.0", "layers.1", "layers.2"}
+    for layer, ref in r0["ref"].items():
+        assert r0["norms"][layer] == pytest.approx(ref, rel=1e-6)
+    if strategy != "ddp":  # the gathered sharded weights equal the DDP run's
+        assert close(r0["params"], run(tmp_path_factory, "ddp")[0]["params"])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_clip_with_the_global_norm_and_adam_change_on_every_rank(tmp_path_factory, strategy):
+    r0, r1 = run(tmp_path_factory, strategy, "clip")
+    same_decisions(r0, r1)
+    assert len(r0["clipped"]) >= 8 and r0["max_norm"] < 0.4  # clipped healthy steps; tightened after the spike
+    assert r0["betas"][0][1] < 0.999  # the adam rung applied on both ranks
+    if strategy == "fsdp2":  # clipped by the global norm: the same weights as DDP's
+        assert close(r0["params"], run(tmp_path_factory, "ddp", "clip")[0]["params"])
+
+
+def test_fsdp2_disk_snapshots_one_file_per_rank_and_the_same_rollback(tmp_path_factory):
+    r0, r1 = run(tmp_path_factory, "fsdp2", "disk")
+    same_decisions(r0, r1)
+    assert [a[:3] for a in r0["actions"]] == [[7, "rollback", 2]]
+    dirs = {f.split("/")[0] for f in r0["disk_files"]}, {f.split("/")[0] for f in r1["disk_files"]}
+    assert len(dirs[0]) == len(dirs[1]) == 1 and dirs[0] != dirs[1]  # each rank writes its own files
+    assert any(f.endswith(".pt") for f in r0["disk_files"]) and any(f.endswith(".pt") for f in r1["disk_files"])
+    ddp = run(tmp_path_factory, "ddp", "disk")[0]  # restored from each rank's own shard file
+    assert ddp["actions"] == r0["actions"] and close(r0["params"], ddp["params"])
+
+
+def test_fsdp2_resume_restores_the_guard_on_every_rank(tmp_path_factory):
+    r0, r1 = run(tmp_path_factory, "fsdp2", "resume")
+    same_decisions(r0, r1)
+    plain = run(tmp_path_factory, "fsdp2")[0]
+    # a new guard loaded at step 8 carries on exactly as the original (LR multiplier, counters, clip)
+    assert r0["steps"] == 12 and r0["mult"] == plain["mult"] < 1
+    assert close(r0["params"], plain["params"], 1e-6)
+
+
+def test_fsdp1_with_flat_parameters_is_refused_at_attach_with_the_alternative(tmp_path_factory):
+    r0, r1 = run(tmp_path_factory, "fsdp1")
+    for r in (r0, r1):
+        assert "use_orig_params=False" in r["refused"] and "use_orig_params=True" in r["refused"]
+        assert "fully_shard" in r["refused"]
+
+
+def test_fsdp2_a_snapshot_damaged_on_one_rank_all_ranks_roll_back_to_the_same_older_step(tmp_path_factory):
+    r0, r1 = run(tmp_path_factory, "fsdp2", "disk_damaged")
+    same_decisions(r0, r1)  # without the vote rank 1 alone would fall back to step 0: the weights would differ
+    assert [a[:3] for a in r0["actions"]] == [[7, "rollback", 0]]
+    assert any("unreadable on another process" in p for e in r0["fallbacks"] for p in e["problems"])
+    assert r0["log"] and r1["log"] is None  # one event log per run, written by rank 0
