@@ -83,7 +83,13 @@ def _read_once(path: str) -> Run:
 def read_runs(wandb_dir: str) -> list[Run]:
     """Every offline run under ``<wandb_dir>/wandb``, read after ``finish`` (the service writes
     asynchronously: a file without its exit record is read again for a few seconds)."""
-    paths = sorted(glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb")))
+    pattern = os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb")
+    paths = sorted(glob.glob(pattern))
+    for _ in range(40):  # under load the service may create the file after finish() returned
+        if paths:
+            break
+        time.sleep(0.5)
+        paths = sorted(glob.glob(pattern))
     out = []
     for path in paths:
         for _ in range(40):
