@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
+import re
 from types import ModuleType
 from typing import Any
 
@@ -68,7 +67,10 @@ class _GradGuardMixin:
         """
         Args:
             config: the guard's configuration (default ``GuardConfig()``).
-            name: distinguishes the checkpoint state of several guards; default a hash of the config.
+            name: the key of the guard's state in Lightning checkpoints (``state_key``); stable across
+                config changes, so a run resumed with another config gets its guard state back (see
+                :mod:`gradguard.resume` for which changes take effect). Default ``"default"``; give
+                distinct names only to several guards in one Trainer.
             sinks: extra sinks (on global rank 0 only).
             out_dir: folder of the JSONL log (``<out_dir>/gradguard/``); default ``config.output.dir``,
                 else ``trainer.log_dir`` (the logger's version folder), else ``default_root_dir``
@@ -79,8 +81,7 @@ class _GradGuardMixin:
         """
         super().__init__()
         self.config = config = GuardConfig.coerce(config, "GradGuardCallback(config)")
-        self.name = name or hashlib.sha1(json.dumps(config.to_dict(), sort_keys=True, default=str)
-                                         .encode()).hexdigest()[:10]
+        self.name = name or "default"
         self.extra_sinks = list(sinks or [])
         self.out_dir = out_dir
         self.layer_fn = layer_fn
@@ -133,6 +134,18 @@ class _GradGuardMixin:
     @property
     def state_key(self) -> str:
         return self._generate_state_key(name=self.name)  # type: ignore[attr-defined]
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of gradguard <= 0.1 keys the guard state by a hash of the config: adopt its
+        entry when it is the only guard entry (Lightning loads callback states right after this)."""
+        states = checkpoint.get("callbacks")
+        if not isinstance(states, dict) or self.state_key in states:
+            return
+        prefix = type(self).__qualname__ + "{'name': '"
+        legacy = [k for k in states if isinstance(k, str) and k.startswith(prefix)
+                  and re.fullmatch(r"[0-9a-f]{10}", k[len(prefix):-2] or "")]
+        if len(legacy) == 1:
+            states[self.state_key] = states[legacy[0]]
 
     def state_dict(self) -> dict[str, Any]:
         pending = self._pending_state or {}

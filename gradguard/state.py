@@ -29,7 +29,7 @@ _CORE_FIELDS: dict[str, Any] = {
     "clip": dict, "lr": dict, "adam": dict, "snapshots": (dict, type(None)),
 }
 #: Entries that older states may lack (filled with their defaults on load).
-_OPTIONAL = {"grow_healthy": int, "model_signature": str, "checkpoints": list}
+_OPTIONAL = {"grow_healthy": int, "model_signature": str, "checkpoints": list, "config": dict}
 
 
 from .errors import StateError  # noqa: E402  (one error hierarchy: gradguard.errors)

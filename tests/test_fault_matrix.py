@@ -82,6 +82,10 @@ def _skipped_at(events, step):
     return any(e.get("type") == "metrics" and e.get("step") == step and e.get(gg.M.SKIPPED, 0) >= 1 for e in events)
 
 
+def _scaler_in_use(ev):
+    return any(e.get("type") == "metrics" and e.get(gg.M.SCALE) is not None for e in ev)
+
+
 def _rollback_unavailable_or_restored(ev):
     """Snapshots deleted, then NaN losses: the rollback rung either restores another source (an
     engine checkpoint) or says 'rollback unavailable' and takes the rung's other actions."""
@@ -109,8 +113,11 @@ CELLS = [
     Cell("out_of_memory", lambda: [OutOfMemory(at_step=10, above_batch=BS // 2)], "out_of_memory",
          lambda ev: any(e.get("type") == "action" and e.get("name", "").startswith("oom_") for e in ev),
          monitor_bitwise=False),
+    # fp16 with a real GradScaler (plain loop, Lightning); the HF Trainer (accelerate) has no GradScaler
+    # on CPU: there the streak is non-finite gradients, skipped
     Cell("fp16_overflow_streak", lambda: [OverflowStreak(at_step=10, steps=6)], "overflow_streak",
-         lambda ev: bool(_findings(ev, "overflow_streak")), scaler=True),
+         lambda ev: bool(_findings(ev, "overflow_streak")) or (
+             not _scaler_in_use(ev) and bool(_findings(ev, "nonfinite_grad")) and _skipped_at(ev, 10)), scaler=True),
     Cell("snapshot_disk_full", lambda: [SnapshotIOFault(at_step=10, target="snapshots", errno=errno.ENOSPC)],
          "io_fault", lambda ev: any(e.get("type") == "snapshot_io_error" for e in ev)),
     Cell("snapshot_readonly", lambda: [SnapshotIOFault(at_step=10, target="snapshots", errno=errno.EROFS)],
