@@ -788,6 +788,8 @@ class Guard(GuardCore):
         self._misuse.before(self, loss)
         report = self.before_step(loss, scaler=self.scaler)
         self._misuse.after(self, report)
+        if self.scaler is None:
+            self._misuse.scaler_not_passed(self, report)
         if report.applied:
             if self.scaler is not None:
                 self.scaler.step(opt)

@@ -71,6 +71,8 @@ class Data(torch.utils.data.Dataset):
 def make_opt(params, kind: str) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05)
+    if kind == "lbfgs":  # a closure optimizer: refused at attach
+        return torch.optim.LBFGS(params, lr=0.1)
     if kind == "adamw-fast":  # learns the toy mapping in ~20 steps (the fault matrix: faults hit a trained model)
         return torch.optim.AdamW(params, lr=2e-2)
     return torch.optim.AdamW(params, lr=3e-3)
