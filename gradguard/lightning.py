@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import re
 from types import ModuleType
 from typing import Any
 
@@ -69,8 +68,8 @@ class _GradGuardMixin:
             config: the guard's configuration (default ``GuardConfig()``).
             name: the key of the guard's state in Lightning checkpoints (``state_key``); stable across
                 config changes, so a run resumed with another config gets its guard state back (see
-                :mod:`gradguard.resume` for which changes take effect). Default ``"default"``; give
-                distinct names only to several guards in one Trainer.
+                :mod:`gradguard.resume` for which changes take effect). Default ``"default"``
+                (``"monitor"`` for a guard that only watches, so one of each fits in a Trainer).
             sinks: extra sinks (on global rank 0 only).
             out_dir: folder of the JSONL log (``<out_dir>/gradguard/``); default ``config.output.dir``,
                 else ``trainer.log_dir`` (the logger's version folder), else ``default_root_dir``
@@ -81,7 +80,7 @@ class _GradGuardMixin:
         """
         super().__init__()
         self.config = config = GuardConfig.coerce(config, "GradGuardCallback(config)")
-        self.name = name or "default"
+        self.name = name or ("default" if config.policy.act else "monitor")
         self.extra_sinks = list(sinks or [])
         self.out_dir = out_dir
         self.layer_fn = layer_fn
@@ -136,16 +135,17 @@ class _GradGuardMixin:
         return self._generate_state_key(name=self.name)  # type: ignore[attr-defined]
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint of gradguard <= 0.1 keys the guard state by a hash of the config: adopt its
-        entry when it is the only guard entry (Lightning loads callback states right after this)."""
+        """No entry under this guard's key, but exactly one guard entry no other guard of this
+        Trainer claims (a checkpoint of gradguard <= 0.1, keyed by a hash of the config, or a guard
+        resumed in the other mode): adopt it. Lightning loads callback states right after this."""
         states = checkpoint.get("callbacks")
         if not isinstance(states, dict) or self.state_key in states:
             return
-        prefix = type(self).__qualname__ + "{'name': '"
-        legacy = [k for k in states if isinstance(k, str) and k.startswith(prefix)
-                  and re.fullmatch(r"[0-9a-f]{10}", k[len(prefix):-2] or "")]
-        if len(legacy) == 1:
-            states[self.state_key] = states[legacy[0]]
+        prefix = type(self).__qualname__ + "{"
+        claimed = {getattr(cb, "state_key", None) for cb in getattr(trainer, "callbacks", [])}
+        free = [k for k in states if isinstance(k, str) and k.startswith(prefix) and k not in claimed]
+        if len(free) == 1:
+            states[self.state_key] = states[free[0]]
 
     def state_dict(self) -> dict[str, Any]:
         pending = self._pending_state or {}

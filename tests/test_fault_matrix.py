@@ -26,6 +26,7 @@ import glob
 import json
 import math
 import os
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -195,8 +196,11 @@ RESULTS: list[dict[str, Any]] = []
 def matrix_summary(tmp_path_factory):
     yield
     out = os.environ.get("GRADGUARD_FAULT_MATRIX_JSON") or str(tmp_path_factory.getbasetemp() / "fault_matrix.json")
+    from gradguard._compat import versions
+
     summary = {"cells": RESULTS, "total": len(RESULTS), "passed": sum(r["passed"] for r in RESULTS),
-               "engines": list(ENGINES), "injectors": [c.name for c in CELLS], "presets": ["default", "monitor"]}
+               "engines": list(ENGINES), "injectors": [c.name for c in CELLS], "presets": ["default", "monitor"],
+               "steps": STEPS, "seconds": round(sum(r["seconds"] for r in RESULTS), 1), "versions": versions()}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1)
@@ -257,6 +261,7 @@ def test_fault_cell(engine, cell, preset, tmp_path):
         pytest.importorskip("transformers" if engine == "hf" else "lightning")
     checks: dict[str, bool] = {}
     rec = None
+    start = time.perf_counter()
     try:
         rec = _check_cell(engine, cell, preset, tmp_path, checks)
     except Exception as exc:
@@ -265,7 +270,8 @@ def test_fault_cell(engine, cell, preset, tmp_path):
     finally:
         halted = rec.error if rec is not None and isinstance(rec.error, gg.GradGuardHalt) else None
         RESULTS.append({"engine": engine, "injector": cell.name, "preset": preset, "passed": all(checks.values()),
-                        "halted": None if halted is None else halted.diagnosis.get("reason"), "checks": checks})
+                        "halted": None if halted is None else halted.diagnosis.get("reason"), "checks": checks,
+                        "seconds": round(time.perf_counter() - start, 2)})
     assert all(checks.values()), (f"{engine} x {cell.name} x {preset}: failed checks "
                                   f"{[k for k, v in checks.items() if not v]}")
 

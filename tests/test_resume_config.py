@@ -128,3 +128,8 @@ def test_lightning_checkpoint_keyed_by_a_config_hash_still_restores(tmp_path):
     torch.save(ck, legacy)
     resumed = RUNNERS["lightning"](tmp_path / "b", c, steps=7, resume_from=legacy)
     assert resumed.restored_state["lr"]["global_mult"] == first.saved_state["lr"]["global_mult"] < 1
+    # resumed as a monitor (key 'monitor'): the acting guard's entry is the only one, it is adopted
+    with pytest.warns(gg.GradGuardWarning, match=r"resumed with policy\.act=False.*only watches"):
+        watched = RUNNERS["lightning"](tmp_path / "c", cfg(tmp_path / "c", "monitor"), steps=7, resume_from=path)
+    assert watched.callback.state_key == "GradGuardCallback{'name': 'monitor'}"
+    assert watched.restored_state["lr"]["global_mult"] == first.saved_state["lr"]["global_mult"]
