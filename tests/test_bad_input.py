@@ -70,6 +70,7 @@ BAD_STATES = [
     ("adam", _garble(["adam", "applied"], 1), "adam.applied=1", "1"),
     ("detector-type", _garble(["detectors", "loss", "healthy"], "many"), "detectors.loss.healthy='many'", "'many'"),
     ("policy-type", _garble(["policy"], "x"), "policy='x'", "'x'"),
+    ("config-type", _garble(["config"], "x"), "config='x'", "'x'"),
     # passes the type checks but cannot be applied: rolled back as a whole
     ("detector-garbled", _garble(["detectors"], {"loss": {}}), "could not be applied", "KeyError"),
 ]

@@ -27,7 +27,7 @@ def unsupported(args: Any, optimizer: Any) -> dict[str, str]:
         out[f"TrainingArguments.optim={args.optim!r}"] = (
             "this optimizer updates the weights during backward, so a poisoned step cannot be skipped. Fix: use an "
             "optimizer with a step() (e.g. optim='adamw_torch')")
-    if optimizer is not None:
+    if optimizer is not None and hasattr(optimizer, "param_groups"):
         from ..act import unwrap_optimizer
         from ..misuse import closure_refusal
 
