@@ -285,6 +285,8 @@ def _check_cell(engine: str, cell: Cell, preset: str, tmp_path, checks: dict[str
     checks["fault_logged"] = any(e.get("type") == "fault_injected" and e.get("fault") == cell.fault for e in events)
     oom_unhandled = isinstance(rec.error, torch.OutOfMemoryError)
     halted = rec.error if isinstance(rec.error, gg.GradGuardHalt) else None
+    if cell.scaler and engine != "hf":  # the engine's GradScaler was found by the guard (HF on CPU has none)
+        checks["scaler_found"] = _scaler_in_use(events)
     if preset == "default":
         checks["finished_or_diagnosed_halt"] = rec.error is None or bool(halted and halted.diagnosis.get("reason"))
         checks["state_finite"] = _finite_state(rec.model, rec.optimizer)
