@@ -21,7 +21,8 @@ import torch
 from .errors import warn_once
 
 __all__ = [
-    "scaler_scale", "scaler_found_inf", "set_scaler_scale", "scaler_unscaled", "scalers_in_use", "shadow_method", "unshadow_method",
+    "scaler_scale", "scaler_found_inf", "set_scaler_scale", "scaler_unscaled", "scalers_in_use",
+    "shadow_method", "unshadow_method",
     "find_caller", "hf_callback_list", "pl_combined_loader", "pl_loader_iterator", "pl_iterator_drawn",
     "pl_restart_sampler_iter", "pl_data_fetcher", "pl_set_epoch_length", "pl_checkpoint_last_saved",
     "swap_class", "check_features", "versions",

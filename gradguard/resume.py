@@ -75,7 +75,10 @@ def reconcile(core: Any, saved_config: Any) -> list[dict[str, Any]]:
     for field, old, new in changes(saved_config, core.config.to_dict()):
         if field.startswith(SILENT):
             continue
-        effect = _apply(core, field, old, new)
+        try:
+            effect = _apply(core, field, old, new)
+        except (TypeError, ValueError):  # a saved value of the wrong kind: the new one simply holds
+            effect = "takes effect"
         message = (f"gradguard: resumed with {field}={new!r}, the saved run used {field}={old!r}: {effect}. "
                    "Fix: nothing if the change is deliberate; else resume with the saved value")
         warn(message, stacklevel=4)

@@ -133,3 +133,11 @@ def test_lightning_checkpoint_keyed_by_a_config_hash_still_restores(tmp_path):
         watched = RUNNERS["lightning"](tmp_path / "c", cfg(tmp_path / "c", "monitor"), steps=7, resume_from=path)
     assert watched.callback.state_key == "GradGuardCallback{'name': 'monitor'}"
     assert watched.restored_state["lr"]["global_mult"] == first.saved_state["lr"]["global_mult"]
+
+
+def test_a_saved_config_of_the_wrong_kind_does_not_break_the_load(tmp_path):
+    state, model, opt = _saved_state(tmp_path, tighten=False)
+    state["config"]["clip"]["max_norm"] = "big"  # hand-edited: the new config simply holds
+    guard, warned, _ = _resume(tmp_path, state, model, opt)
+    assert guard.clip.max_norm == 1.0 and guard.step_count == 4 and len(warned) == 1
+    guard.close()
