@@ -21,7 +21,8 @@ import torch
 from .errors import warn_once
 
 __all__ = [
-    "scaler_scale", "scaler_found_inf", "set_scaler_scale", "shadow_method", "unshadow_method",
+    "scaler_scale", "scaler_found_inf", "set_scaler_scale", "scaler_unscaled", "scalers_in_use",
+    "shadow_method", "unshadow_method",
     "find_caller", "hf_callback_list", "pl_combined_loader", "pl_loader_iterator", "pl_iterator_drawn",
     "pl_restart_sampler_iter", "pl_data_fetcher", "pl_set_epoch_length", "pl_checkpoint_last_saved",
     "hf_callback_being_restored", "pl_saving_checkpoint_path",
@@ -64,6 +65,26 @@ def scaler_found_inf(scaler: Any, optimizer: Any) -> torch.Tensor | None:
         return None
     vals = list(per_device.values())
     return vals[0] if len(vals) == 1 else torch.stack([v.to(vals[0].device) for v in vals]).sum()
+
+
+def scaler_unscaled(scaler: Any, optimizer: Any) -> bool:
+    """True when ``scaler.unscale_(optimizer)`` ran this step (its per-optimizer stage)."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    st = states.get(id(optimizer)) if isinstance(states, dict) else None
+    stage = st.get("stage") if isinstance(st, dict) else None
+    return getattr(stage, "name", None) == "UNSCALED"
+
+
+def scalers_in_use() -> list[Any]:
+    """Every enabled ``torch.amp.GradScaler`` of the process that has scaled a loss (one walk over
+    the garbage collector's objects: call it once, not per step)."""
+    import gc
+
+    cls = getattr(torch.amp, "GradScaler", None)
+    if cls is None:  # pragma: no cover - torch < 2.3
+        return []
+    # type(o), not isinstance: isinstance reads __class__, which some module proxies warn about
+    return [o for o in gc.get_objects() if issubclass(type(o), cls) and scaler_scale(o) is not None]
 
 
 def set_scaler_scale(scaler: Any, value: float) -> bool:

@@ -869,6 +869,7 @@ class GuardCore:
             "snapshots": self.snapshots.state_dict() if self.snapshots is not None else None,
             "grow_healthy": self._grow_healthy, "model_signature": model_signature(self.model),
             "checkpoints": self.checkpoint_tier.state_dict(),
+            "config": self.config.to_dict(),  # compared on resume: gradguard.resume
         }
 
     def start_at(self, step: int) -> None:
@@ -892,10 +893,13 @@ class GuardCore:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Validate the whole state (version, model signature, every entry), then apply it; a
-        ``gradguard.state.StateError`` means nothing was changed."""
+        ``gradguard.state.StateError`` means nothing was changed. A state saved with another config
+        follows the resume rule of :mod:`gradguard.resume` (each conflict warned once)."""
+        from .resume import reconcile
         from .state import load_core_state
 
         load_core_state(self, state, self._apply_state, STATE_VERSION)
+        reconcile(self, state.get("config"))  # resumed with a changed config: the rule of gradguard.resume
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         self.step_count = state["step_count"]
@@ -1027,6 +1031,8 @@ class Guard(GuardCore):
         self._misuse.before(self, loss)
         report = self.before_step(loss, scaler=self.scaler)
         self._misuse.after(self, report)
+        if self.scaler is None:
+            self._misuse.scaler_not_passed(self, report)
         if report.applied:
             if self.scaler is not None:
                 self.scaler.step(opt)

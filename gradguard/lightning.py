@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 from types import ModuleType
 from typing import Any
 
@@ -79,7 +77,10 @@ class _GradGuardMixin:
         """
         Args:
             config: the guard's configuration (default ``GuardConfig()``).
-            name: distinguishes the checkpoint state of several guards; default a hash of the config.
+            name: the key of the guard's state in Lightning checkpoints (``state_key``); stable across
+                config changes, so a run resumed with another config gets its guard state back (see
+                :mod:`gradguard.resume` for which changes take effect). Default ``"default"``
+                (``"monitor"`` for a guard that only watches, so one of each fits in a Trainer).
             sinks: extra sinks (on global rank 0 only).
             out_dir: folder of the JSONL log (``<out_dir>/gradguard/``); default ``config.output.dir``,
                 else ``trainer.log_dir`` (the logger's version folder), else ``default_root_dir``
@@ -94,8 +95,7 @@ class _GradGuardMixin:
         """
         super().__init__()
         self.config = config = GuardConfig.coerce(config, "GradGuardCallback(config)")
-        self.name = name or hashlib.sha1(json.dumps(config.to_dict(), sort_keys=True, default=str)
-                                         .encode()).hexdigest()[:10]
+        self.name = name or ("default" if config.policy.act else "monitor")
         self.extra_sinks = list(sinks or [])
         self.out_dir = out_dir
         self.layer_fn = layer_fn
@@ -149,6 +149,19 @@ class _GradGuardMixin:
     @property
     def state_key(self) -> str:
         return self._generate_state_key(name=self.name)  # type: ignore[attr-defined]
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """No entry under this guard's key, but exactly one guard entry no other guard of this
+        Trainer claims (a checkpoint of gradguard <= 0.1, keyed by a hash of the config, or a guard
+        resumed in the other mode): adopt it. Lightning loads callback states right after this."""
+        states = checkpoint.get("callbacks")
+        if not isinstance(states, dict) or self.state_key in states:
+            return
+        prefix = type(self).__qualname__ + "{"
+        claimed = {getattr(cb, "state_key", None) for cb in getattr(trainer, "callbacks", [])}
+        free = [k for k in states if isinstance(k, str) and k.startswith(prefix) and k not in claimed]
+        if len(free) == 1:
+            states[self.state_key] = states[free[0]]
 
     def state_dict(self) -> dict[str, Any]:
         pending = self._pending_state or {}

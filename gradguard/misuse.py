@@ -11,6 +11,10 @@
   measures clipped norms and its spike detection goes blind): seen as the same round total norm
   (``max_norm``) in 3 of the last 20 steps, which unclipped gradients never do; warned once. Not
   with ``clip.mode='off'`` or the monitor preset, where clipping is left to the user.
+* A ``GradScaler`` scaling the loss but not passed to the guard (``scaler=``): the guard would
+  measure, clip and apply gradients ``scale`` times too large. When one of the first 20 steps has
+  a non-finite or huge (> 1e3) total norm and the guard has no scaler, the process's objects are
+  searched once for a GradScaler that has scaled a loss; warned once.
 * ``scaler.unscale_(optimizer)`` called by the user before ``guard.step`` (the guard unscales
   itself; a second ``unscale_`` is a RuntimeError in torch): the guard uses the gradients as
   they are and warns once.
@@ -40,15 +44,24 @@ def needs_closure(optimizer: Any) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
+_CLOSURE_WHY = ("needs a closure (step(closure) evaluates the model several times per step), which gradguard "
+                "cannot measure or skip")
+_CLOSURE_FIX = "Fix: use a first-order optimizer (SGD, Adam, AdamW...) with gradguard, or train without the guard"
+
+
+def closure_refusal(optimizer: Any) -> dict[str, str]:
+    """``{"optimizer=<name>": why + fix}`` for a closure optimizer, for the engines' refusal lists."""
+    if not needs_closure(optimizer):
+        return {}
+    return {f"optimizer={type(optimizer).__name__}": f"it {_CLOSURE_WHY}. {_CLOSURE_FIX}"}
+
+
 def check_optimizer(optimizer: Any) -> None:
     """Refuse optimizers the plain ``Guard`` cannot drive (raises ``AttachError``)."""
     from .act import AttachError
 
     if needs_closure(optimizer):
-        raise AttachError(
-            f"gradguard: optimizer={type(optimizer).__name__} needs a closure (step(closure) evaluates the model "
-            "several times per step), which gradguard cannot measure or skip. "
-            "Fix: use a first-order optimizer (SGD, Adam, AdamW...) with gradguard, or train without the guard")
+        raise AttachError(f"gradguard: optimizer={type(optimizer).__name__} {_CLOSURE_WHY}. {_CLOSURE_FIX}")
 
 
 class MisuseWatch:
@@ -60,6 +73,9 @@ class MisuseWatch:
         self._zero_streak = 0
         self._loss_seen = False
         self._norms: deque[float] = deque(maxlen=20)
+        self._scaler_looked = False
+        self.scaler_steps = 20  # the first steps are checked for a GradScaler not passed to the guard
+        self.huge_norm = 1e3  # a total norm this large (or non-finite) prompts the look
 
     def _report(self, core: Any, kind: str, step: int, message: str) -> None:
         if kind in self.reported:
@@ -80,16 +96,35 @@ class MisuseWatch:
 
     def already_unscaled(self, core: Any, scaler: Any, optimizer: Any) -> bool:
         """True (and warned once) when the user already called ``scaler.unscale_(optimizer)``."""
-        states = getattr(scaler, "_per_optimizer_states", None)
-        state = states.get(id(optimizer)) if isinstance(states, dict) else None
-        stage = state.get("stage") if isinstance(state, dict) else None
-        if getattr(stage, "name", None) != "UNSCALED":
+        from ._compat import scaler_unscaled
+
+        if not scaler_unscaled(scaler, optimizer):
             return False
         self._report(core, "user_unscale", core.step_count + 1,
                      "gradguard: scaler.unscale_(optimizer) was called before guard.step(); the guard unscales "
                      "(and clips) itself. Fix: remove your scaler.unscale_ and clip_grad_norm_ calls and pass "
                      "scaler= to the Guard")
         return True
+
+    def scaler_not_passed(self, core: Any, report: Any) -> None:
+        """A GradScaler scaled the loss but was not given to the guard: the guard measures, clips and
+        applies gradients that are ``scale`` times too large. Looked for (one walk over the
+        process's objects) only when one of the first steps has a non-finite or huge total norm."""
+        norm = report.total_norm
+        if self._scaler_looked or report.step > self.scaler_steps or (math.isfinite(norm) and norm < self.huge_norm):
+            return
+        self._scaler_looked = True
+        from ._compat import scaler_scale, scalers_in_use
+
+        found = scalers_in_use()
+        if not found:
+            return
+        scale = float(scaler_scale(found[0]))  # once per run: a host read is fine here
+        self._report(core, "scaler_not_passed", report.step,
+                     f"gradguard: a torch.amp.GradScaler (scale {scale:g}) scaled the loss but was not passed to the "
+                     f"Guard, so the guard measured, clipped and applied scaled gradients (total norm {norm:.3g} at "
+                     "step " f"{report.step}). Fix: Guard(model, optimizer, scaler=scaler), keep "
+                     "scaler.scale(loss).backward() and let guard.step(loss) replace scaler.step/update")
 
     def after(self, core: Any, report: Any) -> None:
         """Call with the step's report."""

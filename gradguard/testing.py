@@ -235,8 +235,18 @@ class LRSpike(Injector):
         self.factor = float(factor)
         self._spiked: list[float] | None = None
         self._clean: list[float] | None = None
+        self._opt_calls = 0
+
+    def step(self) -> int:
+        """Without a guard: the number of ``optimizer.step()`` calls so far, this one included (an
+        engine that runs the forward inside ``optimizer.step(closure)``, as Lightning does, has not
+        counted this step's forward yet when the LR is set)."""
+        if self.guard is None:
+            return max(1, self._opt_calls)
+        return super().step()
 
     def _install(self) -> None:
+        self._opt_calls = 0
         if self.optimizer is None:
             raise ConfigError("LRSpike.attach: optimizer=None. Fix: attach(model, optimizer, ...)")
         handle = self.optimizer.register_step_pre_hook(self._pre)
@@ -246,6 +256,7 @@ class LRSpike(Injector):
         self._handles.append(handle)
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._opt_calls += 1
         groups = optimizer.param_groups
         if self.active():
             if self._spiked is None or any(g["lr"] != s for g, s in zip(groups, self._spiked)):

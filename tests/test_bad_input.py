@@ -70,6 +70,7 @@ BAD_STATES = [
     ("adam", _garble(["adam", "applied"], 1), "adam.applied=1", "1"),
     ("detector-type", _garble(["detectors", "loss", "healthy"], "many"), "detectors.loss.healthy='many'", "'many'"),
     ("policy-type", _garble(["policy"], "x"), "policy='x'", "'x'"),
+    ("config-type", _garble(["config"], "x"), "config='x'", "'x'"),
     # passes the type checks but cannot be applied: rolled back as a whole
     ("detector-garbled", _garble(["detectors"], {"loss": {}}), "could not be applied", "KeyError"),
 ]
@@ -202,3 +203,135 @@ def test_users_own_clipping_before_step_is_explained_once(tmp_path):
             guard.step(loss)
             opt.zero_grad()
     guard.close()
+
+
+def test_gradscaler_in_use_but_not_passed_to_the_guard_is_explained_once(tmp_path):
+    import gc
+
+    sink = gg.MemorySink()
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")  # the AMP recipe's scaler, forgotten in Guard(...)
+    guard = gg.Guard(model, opt, config=gg.GuardConfig.preset("default", output={"console": False, "jsonl": False}),
+                     sinks=[sink])
+    gen = torch.Generator().manual_seed(0)
+    with pytest.warns(UserWarning, match=r"GradScaler \(scale 65536\) scaled the loss but was not passed to the "
+                                         r"Guard.*Fix: Guard\(model, optimizer, scaler=scaler\)") as rec:
+        for _ in range(3):
+            loss = model(*make_batch(gen))
+            scaler.scale(loss).backward()
+            guard.step(loss)
+            opt.zero_grad()
+    assert sum("not passed to the Guard" in str(w.message) for w in rec) == 1  # once
+    assert [e["kind"] for e in sink.events if e["type"] == "misuse"] == ["scaler_not_passed"]
+    guard.close()
+    del scaler
+    gc.collect()
+    # huge gradients without any GradScaler in the process: no such warning
+    import warnings
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    guard = gg.Guard(model, opt, config=gg.GuardConfig.preset("default", output={"console": False, "jsonl": False}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            loss = model(*make_batch(gen)) * 1e5
+            loss.backward()
+            guard.step(loss)
+            opt.zero_grad()
+    assert not [w for w in caught if "GradScaler" in str(w.message)]
+    guard.close()
+
+
+# -- every class of bad setup: one error naming the field or object, the value and the fix -----------------
+def _not_a_module(tmp_path):
+    gg.Guard(object(), torch.optim.SGD(TinyNet().parameters(), lr=0.1))
+
+
+def _optimizer_of_another_model(tmp_path):
+    gg.Guard(TinyNet(), torch.optim.SGD(TinyNet().parameters(), lr=0.1))
+
+
+def _second_acting_guard(tmp_path):
+    guard, model, opt = _guard(tmp_path)
+    gg.Guard(model, opt, config=guard.config)
+
+
+def _closure_optimizer(tmp_path):
+    model = TinyNet()
+    gg.Guard(model, torch.optim.LBFGS(model.parameters()))
+
+
+def _accumulate_without_controller(tmp_path):
+    guard, model, _ = _guard(tmp_path)
+    guard.accumulate([], lambda mb: model(*mb))
+
+
+def _injector_step(tmp_path):
+    from gradguard.testing import NaNLoss
+
+    NaNLoss(at_step=0)
+
+
+def _injector_layer(tmp_path):
+    from gradguard.testing import GradFault
+
+    GradFault("transformer.h.3", at_step=2).attach(TinyNet())
+
+
+def _io_fault_without_guard(tmp_path):
+    from gradguard.testing import SnapshotIOFault
+
+    SnapshotIOFault(at_step=2).attach(TinyNet())
+
+
+def _config_bool(tmp_path):
+    gg.GuardConfig.from_dict({"output": {"console": "false"}})
+
+
+def _config_number(tmp_path):
+    gg.GuardConfig.from_dict({"adam": {"eps": "tiny"}})
+
+
+def _engine_closure(engine):
+    def run(tmp_path):
+        from .engines import RUNNERS, cfg
+
+        RUNNERS[engine](tmp_path, cfg(tmp_path), steps=1, opt_kind="lbfgs")
+    return run
+
+
+# (id, the mistake, the error class, the object or field named, the value quoted)
+BAD_SETUPS = [
+    ("model-not-a-module", _not_a_module, gg.UnsupportedSetupError, "model=", "object"),
+    ("optimizer-of-another-model", _optimizer_of_another_model, gg.UnsupportedSetupError, "optimizer",
+     "trainable parameters"),
+    ("second-acting-guard", _second_acting_guard, AttachError, "optimizer=AdamW", "already has an acting guard"),
+    ("closure-optimizer", _closure_optimizer, AttachError, "optimizer=LBFGS", "needs a closure"),
+    ("closure-optimizer-hf", _engine_closure("hf"), gg.UnsupportedSetupError, "optimizer=LBFGS", "needs a closure"),
+    ("closure-optimizer-lightning", _engine_closure("lightning"), gg.UnsupportedSetupError, "optimizer=LBFGS",
+     "needs a closure"),
+    ("accumulate-without-controller", _accumulate_without_controller, gg.ConfigError, "Guard.accumulate",
+     "batch controller"),
+    ("injector-step", _injector_step, gg.ConfigError, "NaNLoss.at_step", "0"),
+    ("injector-layer", _injector_layer, gg.ConfigError, "GradFault.layer", "'transformer.h.3'"),
+    ("io-fault-without-guard", _io_fault_without_guard, gg.ConfigError, "SnapshotIOFault(target='snapshots')",
+     "guard=None"),
+    ("config-bool", _config_bool, gg.ConfigError, "GuardConfig.output.console", "'false'"),
+    ("config-number", _config_number, gg.ConfigError, "GuardConfig.adam.eps", "'tiny'"),
+]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name,mistake,error,names,value", BAD_SETUPS, ids=[b[0] for b in BAD_SETUPS])
+def test_bad_setup_is_one_clear_error(tmp_path, name, mistake, error, names, value):
+    """Bad guard states: BAD_STATES above; bad config fields: tests/test_config.py INVALID; snapshot
+    files of another run or model: tests/test_reliability.py; resumed with a changed config (a
+    warning per field): tests/test_resume_config.py."""
+    with pytest.raises(error) as info:
+        mistake(tmp_path)
+    msg = str(info.value)
+    assert names in msg and value in msg and "Fix:" in msg, msg

@@ -25,6 +25,11 @@ def unsupported(args: Any, optimizer: Any) -> dict[str, str]:
         out[f"TrainingArguments.optim={args.optim!r}"] = (
             "this optimizer updates the weights during backward, so a poisoned step cannot be skipped. Fix: use an "
             "optimizer with a step() (e.g. optim='adamw_torch')")
+    if optimizer is not None and hasattr(optimizer, "param_groups"):
+        from ..act import unwrap_optimizer
+        from ..misuse import closure_refusal
+
+        out.update(closure_refusal(unwrap_optimizer(optimizer)))
     if optimizer is None or not hasattr(optimizer, "param_groups"):
         out[f"optimizer={type(optimizer).__name__}"] = (
             "gradguard needs a torch optimizer with param_groups (to skip a step, apply LR multipliers and change "

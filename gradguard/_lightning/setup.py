@@ -66,6 +66,10 @@ def unsupported(trainer: Any) -> dict[str, str]:
     module = trainer.lightning_module
     trained = {id(p) for p in module.parameters() if p.requires_grad}
     in_opt = {id(p) for opt in trainer.optimizers for g in getattr(opt, "param_groups", []) for p in g["params"]}
+    from ..misuse import closure_refusal
+
+    for opt in trainer.optimizers[:1]:
+        out.update(closure_refusal(opt))
     if not trainer.optimizers or not trained & in_opt:
         out["configure_optimizers"] = ("the trainer has no optimizer over the module's parameters (Lightning trains "
                                        "with a mock optimizer). Fix: return one from configure_optimizers")
