@@ -48,18 +48,20 @@ import torch
 from ._compat import check_features, find_caller, hf_callback_list
 from ._hf.checkpoints import STATE_FILE, TrainerCheckpoints, find_resume_state, write_state_file
 from ._hf.loader import TrainerLoader
-from ._hf.setup import log_entries, unsupported
+from ._hf.setup import log_entries, tensorboard_dir, unsupported
 from ._hf.steps import StepRunner
 from .act import drop_grads, unwrap_optimizer
 from .adapter import HaltLatch, SchedulerHold, check_ladder, halt_raises, may_wrap, refuse_unsupported, resolve_clip
 from .config import GuardConfig
 from .guard import GuardCore, StepReport
+from .logdir import choose_log_dir
 from .policy import Action
 from .sinks import M, Sink
 
 try:
     from transformers import TrainerCallback
     from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as exc:  # pragma: no cover - only without the extra
     raise ImportError("gradguard.hf needs transformers: pip install 'gradguard[hf]'") from exc
 
@@ -78,7 +80,10 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         config: a :class:`GuardConfig` (or its dict form); default ``GuardConfig()``.
         sinks: extra :class:`gradguard.Sink` objects (the JSONL log and the console are built in).
         out_dir: folder of the event log (``<out_dir>/gradguard/events.jsonl``); default
-            ``config.output.dir``, else the Trainer's ``output_dir``.
+            ``config.output.dir``, else the Trainer's logging directory when it reports to
+            TensorBoard (``<output_dir>/runs/<time>_<host>/gradguard/``), else no event log (one
+            warning): never an entry among the ``checkpoint-*`` folders of ``output_dir``. The
+            rule: :mod:`gradguard.logdir`.
         raise_on_halt: overrides ``config.output.halt_raises`` (None: the config decides): after a
             halt has stopped training and saved a checkpoint, raise :class:`GradGuardHalt` from
             ``trainer.train()`` (False: only stop; see ``.diagnosis``).
@@ -196,7 +201,13 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         cfg, self._replay_clip = self._effective_config(args)
         self._user_max_grad_norm = args.max_grad_norm
         scaler = getattr(optimizer, "scaler", None)
-        out_dir = self.out_dir or cfg.output.dir or args.output_dir
+        out_dir = None
+        if cfg.output.jsonl:  # the main process: where the Trainer keeps its logs (gradguard.logdir)
+            out_dir = choose_log_dir(self.out_dir or cfg.output.dir, [tensorboard_dir(hf_callback_list(self), args)],
+                                     engine="HF Trainer", how_to_name="GradGuardCallback(out_dir=...)",
+                                     checkpoint_dirs=[args.output_dir], checkpoint_prefix=PREFIX_CHECKPOINT_DIR)
+            if out_dir is None:
+                cfg.output = dataclasses.replace(cfg.output, jsonl=False)
         opt = unwrap_optimizer(optimizer)
         self.core = core = GuardCore(model, opt, config=cfg, sinks=list(self.user_sinks), out_dir=out_dir,
                                      scheduler=lr_scheduler, scaler=scaler)
