@@ -26,7 +26,7 @@ def no_dropout():
 
 
 def events(tmp_path) -> list[dict]:
-    path = tmp_path / "out" / "gradguard" / "events.jsonl"
+    path = tmp_path / "logs" / "gradguard" / "events.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 

@@ -278,3 +278,54 @@ def test_lightning_without_logger_never_writes_into_the_checkpoint_directory(tmp
     assert ours == [] and cb.core.log_path == str(root / "gradguard" / "events.jsonl")
     assert sorted(os.listdir(root)) == ["checkpoints", "gradguard"]
     assert all(n.endswith(".ckpt") for n in os.listdir(root / "checkpoints"))
+
+
+def _hf_run(tmp_path, name, callbacks=(), **kw):
+    pytest.importorskip("transformers")
+    from tests.test_hf import make_trainer
+
+    trainer = make_trainer(tmp_path / name, list(callbacks), steps=4, save_strategy="steps", save_steps=2, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    out = tmp_path / name / "out"
+    return trainer, out, _ours(caught)
+
+
+def test_hf_output_dir_holds_only_what_the_trainer_writes(tmp_path):
+    """report_to none (transformers 5's default): the Trainer keeps no log folder, so gradguard writes no
+    event log (one warning): output_dir lists only checkpoint-* and a checkpoint holds only the Trainer's
+    files and the guard's state (its entry in the checkpoint, like the Trainer's own state)."""
+    from gradguard.hf import GradGuardCallback
+
+    _, plain, _ = _hf_run(tmp_path, "plain")
+    cb = GradGuardCallback(config=gg.GuardConfig.preset("monitor", output={"console": False}))
+    _, guarded, ours = _hf_run(tmp_path, "guarded", [cb])
+    assert sorted(os.listdir(guarded)) == sorted(os.listdir(plain)) == ["checkpoint-2", "checkpoint-4"]
+    extra = set(os.listdir(guarded / "checkpoint-2")) - set(os.listdir(plain / "checkpoint-2"))
+    assert extra <= {"gradguard_state.json"}, extra
+    assert len(ours) == 1 and "no event log" in ours[0] and "out_dir" in ours[0], ours
+    assert cb.core.log_path is None
+    # a folder the user names is used as given
+    named = tmp_path / "logs"
+    cb = GradGuardCallback(config=gg.GuardConfig.preset("monitor", output={"console": False}), out_dir=str(named))
+    _, out, ours = _hf_run(tmp_path, "named", [cb])
+    assert ours == [] and cb.core.log_path == str(named / "gradguard" / "events.jsonl")
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4"]
+    lines = [json.loads(x) for x in open(cb.core.log_path, encoding="utf-8")]
+    assert lines[0]["type"] == "start" and lines[-1]["type"] == "summary" and lines[-1]["steps"] == 4
+
+
+def test_hf_event_log_goes_to_the_trainers_tensorboard_folder(tmp_path):
+    pytest.importorskip("tensorboard")
+    from gradguard.hf import GradGuardCallback
+
+    cb = GradGuardCallback(config=gg.GuardConfig.preset("monitor", output={"console": False}))
+    _, out, ours = _hf_run(tmp_path, "tb", [cb], report_to=["tensorboard"])
+    assert ours == []
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "runs"]
+    (run,) = os.listdir(out / "runs")  # one folder: the Trainer's TensorBoard files and gradguard's
+    files = os.listdir(out / "runs" / run)
+    assert "gradguard" in files and any(f.startswith("events.out.tfevents") for f in files), files
+    assert cb.core.log_path == str(out / "runs" / run / "gradguard" / "events.jsonl")
+    assert os.path.getsize(cb.core.log_path) > 0
