@@ -163,6 +163,7 @@ class LossSpikeDetector:
         self.early_flags = 0  # consecutive warm-up spikes
         self.min_loss: float | None = None  # lowest healthy loss (reported in the diagnosis)
         self.held: float | None = None  # a jump over the only earlier loss, judged with the next one
+        self.streak: list[float] = []  # the losses of the current run of warm-up flags
 
     def _armed(self) -> bool:
         cfg = self.cfg
@@ -193,31 +194,34 @@ class LossSpikeDetector:
                 self.held = x
                 return []
             if x > thr > 0:
-                self.held = None  # the loss stayed up: the held one was part of the spike
+                if self.held is not None:  # the loss stayed up: the held one was part of the run
+                    self.streak.append(self.held)
+                    self.held = None
                 self.early_flags += 1
                 # a third flag in a row in warm-up: the reference was a lucky low loss of a noisy run
-                # (a real blow-up has been acted on by then), so the loss joins the baseline
+                # (a real blow-up has been acted on by then), so the loss joins the baseline, and so
+                # do the losses flagged against that reference before it
                 if self.early_flags < 3:
+                    self.streak.append(x)
                     finding = Finding("loss_spike", CRITICAL if x > 2 * thr else WARNING, s.step, value=x,
                                       threshold=thr, baseline=ref,
                                       message=f"loss {x:.4g} > {thr:.4g} ({cfg.early_loss_ratio} x recent loss "
                                               f"{ref:.4g}) during warm-up")
         if finding is None:
-            self.early_flags = 0
-            if self.held is not None:  # the held jump was noise: it joins the baseline first
-                held, self.held = self.held, None
-                base.update(held)
+            # the held jump was noise; a run of flags that reached three was judged against a lucky low
+            # reference: these join the baseline first. A run ended by a normal loss was a spike: dropped.
+            joining = ([self.held] if self.held is not None else []) + (self.streak if self.early_flags >= 3 else [])
+            self.early_flags, self.held, self.streak = 0, None, []
+            for v in [*joining, x]:
+                base.update(v)
                 self.healthy += 1
-                self.min_loss = held if self.min_loss is None else min(self.min_loss, held)
-            base.update(x)
-            self.healthy += 1
-            self.min_loss = x if self.min_loss is None else min(self.min_loss, x)
+                self.min_loss = v if self.min_loss is None else min(self.min_loss, v)
             return []
         return [finding]
 
     def state_dict(self) -> dict[str, Any]:
         return {"base": self.base.state_dict(), "healthy": self.healthy, "min_loss": self.min_loss,
-                "seen": self.seen, "early_flags": self.early_flags, "held": self.held}
+                "seen": self.seen, "early_flags": self.early_flags, "held": self.held, "streak": list(self.streak)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.base.load_state_dict(state["base"])
@@ -226,6 +230,7 @@ class LossSpikeDetector:
         self.early_flags = int(state.get("early_flags", 0))
         held = state.get("held")
         self.held = None if held is None else float(held)
+        self.streak = [float(v) for v in state.get("streak", [])]
 
 
 class GradSpikeDetector:

@@ -169,6 +169,11 @@ def test_a_jump_that_stays_up_is_still_an_early_explosion_and_one_that_falls_bac
     det, found = _losses([5.68, 9.96, 5.5, 5.4])
     assert found == [[], [], [], []]
     assert det.loss.base.count == 4 and det.loss.held is None  # the held loss was noise: it joined
+    # a lucky low first loss: the run of flags reaches three, and the losses flagged against that
+    # reference join the baseline with the third one (they were the run's normal level)
+    det, found = _losses([1.0, 3.0, 3.1, 2.9, 3.0, 3.05])
+    assert found == [[], [], ["loss_spike"], ["loss_spike"], [], []]
+    assert det.loss.base.count == 6 and det.loss.streak == []
     # a held loss survives a state round trip (a checkpoint taken between the two steps)
     det, _ = _losses([5.68, 9.96])
     again = Detectors(DetectConfig())
