@@ -17,7 +17,7 @@ How the Trainer's events map onto the core:
   A skipped step sets every ``p.grad = None`` (the optimizer step is a no-op, Adam's step count
   does not move) and holds the LR scheduler for that one ``step()`` call.
 * ``on_step_end``: ``core.after_step``; a halt sets ``should_training_stop`` and ``should_save``
-  and writes ``<out>/gradguard/diagnosis.json``; ``GradGuardHalt`` is raised after the save.
+  and writes ``diagnosis.json`` beside the event log; ``GradGuardHalt`` is raised after the save.
 * ``on_log``: ``gradguard/...`` metrics are added to the Trainer's logs (the callback moves itself
   ahead of the reporting integrations so that they receive them). ``gradguard/loss`` is the mean
   guard loss of the logging window, non-finite values included (the Trainer's

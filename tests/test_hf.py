@@ -235,7 +235,7 @@ def test_halt_stops_saves_and_raises_with_a_diagnosis(tmp_path):
         tr.train()
     assert tr.state.global_step == 4
     out = tmp_path / "out"
-    diag = json.loads((out / "gradguard" / "diagnosis.json").read_text())
+    diag = json.loads((tmp_path / "logs" / "gradguard" / "diagnosis.json").read_text())  # beside the event log
     assert diag["step"] == 4 and "consecutive" in diag["reason"]
     ckpt = out / "checkpoint-4"
     assert (ckpt / "diagnosis.json").is_file() and (ckpt / STATE_FILE).is_file()
