@@ -82,10 +82,11 @@ class _GradGuardMixin:
             name: distinguishes the checkpoint state of several guards; default a hash of the config.
             sinks: extra sinks (on global rank 0 only).
             out_dir: folder of the JSONL log (``<out_dir>/gradguard/``); default ``config.output.dir``,
-                else ``trainer.log_dir`` (the logger's version folder), else ``default_root_dir``
-                when one was given; a folder of checkpoints or the working directory is never
-                used (then no event log, one warning). Remote roots (``memory://``, ``s3://``)
-                are written through fsspec. The rule: :mod:`gradguard.logdir`.
+                else ``trainer.log_dir`` (the logger's version folder); without a logger, or when
+                that folder is the working directory or a checkpoint folder (``default_root_dir``,
+                where Lightning writes its HPC checkpoints, or a ``ModelCheckpoint.dirpath``), no
+                event log (one warning). Remote roots (``memory://``, ``s3://``) are written
+                through fsspec. The rule: :mod:`gradguard.logdir`.
             layer_fn: parameter name -> layer name (see ``gradguard.measure.LayerMap``).
             log_to_loggers: send the core's metrics to the trainer's loggers.
         """
@@ -211,10 +212,12 @@ class _GradGuardMixin:
                 sinks.append(LightningLoggerSink(trainer))
         out_dir = None
         if cfg.output.jsonl:  # rank 0: where the engine keeps its logs (gradguard.logdir)
-            out_dir = choose_log_dir(self.out_dir or cfg.output.dir,
-                                     [log_dir if trainer.loggers else None, trainer.default_root_dir],
+            # without a logger Lightning keeps no log folder: default_root_dir is where its HPC
+            # checkpoints (hpc_ckpt_*.ckpt) go, so it counts as a checkpoint folder
+            out_dir = choose_log_dir(self.out_dir or cfg.output.dir, [log_dir if trainer.loggers else None],
                                      engine="Lightning", how_to_name="GradGuardCallback(out_dir=...)",
-                                     checkpoint_dirs=[getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks])
+                                     checkpoint_dirs=[trainer.default_root_dir,
+                                                      *(getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks)])
             if out_dir is None:
                 cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, jsonl=False))
         self.scaler = getattr(trainer.precision_plugin, "scaler", None)

@@ -4,13 +4,13 @@ The rule (:func:`choose_log_dir`), in order:
 
 1. A folder the user names (the callback's ``out_dir``, or ``GuardConfig.output.dir``): used as given.
 2. Else the folder where the engine keeps its own logs: Lightning's ``trainer.log_dir`` (the
-   logger's version folder; ``default_root_dir`` without a logger), the HF Trainer's TensorBoard
-   logging directory (``<output_dir>/runs/<time>_<host>`` or ``TENSORBOARD_LOGGING_DIR``).
+   logger's version folder; none without a logger), the HF Trainer's TensorBoard logging directory
+   (``<output_dir>/runs/<time>_<host>`` or ``TENSORBOARD_LOGGING_DIR``; none without TensorBoard).
    Such a folder is not used when it is the working directory (what the engines fall back to when
-   no root folder was given), when it is a folder of checkpoints (Lightning's
-   ``ModelCheckpoint.dirpath``, the HF ``output_dir`` that holds ``checkpoint-*``: something of
-   gradguard's there would sit among the checkpoints, which scripts list and load one by one), or
-   when it lies inside one checkpoint.
+   no root folder was given), when it is a folder of checkpoints (Lightning's ``default_root_dir``,
+   where its HPC checkpoints go, and ``ModelCheckpoint.dirpath``; the HF ``output_dir`` that holds
+   ``checkpoint-*``: something of gradguard's there would sit among the checkpoints, which scripts
+   list and load one by one), or when it lies inside one checkpoint.
 3. Else nothing is written: one warning says why and how to name a folder. gradguard's findings
    still reach the console and the engine's loggers.
 

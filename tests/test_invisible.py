@@ -230,7 +230,8 @@ def _events_at(fs, path):
 @pytest.mark.parametrize("logger", [False, "csv"])
 def test_lightning_remote_root_dir_goes_through_fsspec(tmp_path, monkeypatch, logger):
     """default_root_dir="memory://...": Lightning's loggers and checkpoints write through fsspec, so does
-    the event log; nothing local is created (before: a folder literally named ./memory:/...)."""
+    the event log (in the logger's folder); without a logger nothing is written, locally or remotely
+    (before: a local folder literally named ./memory:/...)."""
     fsspec = pytest.importorskip("fsspec")
     from lightning.pytorch.loggers import CSVLogger
 
@@ -241,12 +242,16 @@ def test_lightning_remote_root_dir_goes_through_fsspec(tmp_path, monkeypatch, lo
     lg = CSVLogger(save_dir=root) if logger else False
     cb = GradGuardCallback(gg.GuardConfig.preset("monitor", output={"console": False}))
     trainer, ours = _boring_fit(cb, default_root_dir=root, logger=lg)
-    assert ours == []
-    expected = (f"{trainer.log_dir}/gradguard/events.jsonl" if logger else f"{root}/gradguard/events.jsonl")
-    assert cb.core.log_path == expected
     fs = fsspec.filesystem("memory")
-    ev = _events_at(fs, expected)
-    assert ev[0]["type"] == "start" and ev[-1]["type"] == "summary" and ev[-1]["steps"] == 3
+    if logger:
+        assert ours == []
+        expected = f"{trainer.log_dir}/gradguard/events.jsonl"
+        assert cb.core.log_path == expected and expected.startswith(root)
+        ev = _events_at(fs, expected)
+        assert ev[0]["type"] == "start" and ev[-1]["type"] == "summary" and ev[-1]["steps"] == 3
+    else:
+        assert len(ours) == 1 and "no event log" in ours[0] and cb.core.log_path is None
+        assert not fs.exists(f"{root}/gradguard")
     ckpts = trainer.checkpoint_callback.dirpath
     assert all(n.endswith(".ckpt") for n in fs.ls(ckpts, detail=False)), fs.ls(ckpts, detail=False)
     assert os.listdir(tmp_path) == []  # nothing local: no ./memory:/ folder
@@ -266,23 +271,31 @@ def test_lightning_without_logger_or_root_dir_writes_nothing_in_the_working_dire
 
 
 def test_lightning_without_logger_never_writes_into_the_checkpoint_directory(tmp_path):
-    """Lightning's tests (and users' scripts) list a checkpoint folder and torch.load every entry."""
+    """Lightning's tests (and users' scripts) list a checkpoint folder and load every entry. Without a
+    logger, default_root_dir is where Lightning writes its HPC checkpoints (hpc_ckpt_*.ckpt): its own
+    test_hpc_restore_attempt asserts os.listdir(root) == ["hpc_ckpt_3.ckpt"]."""
     L = _lightning()
     from gradguard.lightning import GradGuardCallback
 
     ckpt = L.callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
     cb = GradGuardCallback(gg.GuardConfig.preset("default", output={"console": False}))
     _, ours = _boring_fit(cb, logger=False, default_root_dir=str(tmp_path), callbacks=[ckpt])
-    assert len(ours) == 1 and "holds the checkpoints" in ours[0], ours
+    assert len(ours) == 1 and "no event log" in ours[0], ours
     names = os.listdir(tmp_path)
     assert names and all(n.endswith(".ckpt") and (tmp_path / n).is_file() for n in names), names
-    # with the root dir elsewhere the log goes there, beside Lightning's checkpoints folder
+    # the pattern of Lightning's test_hpc_restore_attempt
     root = tmp_path / "root"
+    cb = GradGuardCallback(gg.GuardConfig.preset("monitor", output={"console": False}))
+    trainer, ours = _boring_fit(cb, logger=False, default_root_dir=str(root), enable_checkpointing=False)
+    trainer.save_checkpoint(root / "hpc_ckpt_3.ckpt")
+    assert os.listdir(root) == ["hpc_ckpt_3.ckpt"] and cb.core.log_path is None
+    # with a logger the event log is in the logger's version folder, beside Lightning's checkpoints
     cb = GradGuardCallback(gg.GuardConfig.preset("default", output={"console": False}))
-    _, ours = _boring_fit(cb, logger=False, default_root_dir=str(root))
-    assert ours == [] and cb.core.log_path == str(root / "gradguard" / "events.jsonl")
-    assert sorted(os.listdir(root)) == ["checkpoints", "gradguard"]
-    assert all(n.endswith(".ckpt") for n in os.listdir(root / "checkpoints"))
+    trainer, ours = _boring_fit(cb, logger=L.loggers.CSVLogger(str(tmp_path / "logs")),
+                                default_root_dir=str(tmp_path / "logs"))
+    assert ours == [] and cb.core.log_path == os.path.join(trainer.log_dir, "gradguard", "events.jsonl")
+    assert sorted(os.listdir(trainer.log_dir)) == ["checkpoints", "gradguard", "metrics.csv"]
+    assert all(n.endswith(".ckpt") for n in os.listdir(os.path.join(trainer.log_dir, "checkpoints")))
 
 
 def _hf_run(tmp_path, name, callbacks=(), **kw):

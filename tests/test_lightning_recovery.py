@@ -319,14 +319,14 @@ def test_no_logger_writes_no_package_shadowing_folder_in_the_working_directory(t
     gradguard writes nothing (one warning says how to name a folder); a ./gradguard folder there
     would also shadow the package."""
     monkeypatch.chdir(tmp_path)
-    cb = GradGuardCallback(cfg(tmp_path))
+    cb = GradGuardCallback(cfg(tmp_path, output={"dir": None}))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[cb], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     with pytest.warns(gg.GradGuardWarning, match="no event log for this Lightning run"):
         trainer.fit(LitGPT(), torch.utils.data.DataLoader(Windows(64), batch_size=8))
     assert os.listdir(tmp_path) == [] and cb.core.log_path is None
     # the same run with the working directory named explicitly: ./gradguard_runs/, never ./gradguard/
-    cb = GradGuardCallback(cfg(tmp_path), out_dir=str(tmp_path))
+    cb = GradGuardCallback(cfg(tmp_path, output={"dir": None}), out_dir=str(tmp_path))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[cb], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(LitGPT(), torch.utils.data.DataLoader(Windows(64), batch_size=8))
