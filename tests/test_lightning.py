@@ -294,7 +294,7 @@ def test_halt_stops_the_trainer_with_a_diagnosis(tmp_path):
     assert exc.value.diagnosis == cb.diagnosis and cb.diagnosis_path is not None
     assert trainer.should_stop and trainer.global_step == 7
     assert torch.equal(m.params[6], m.params[7])  # the halting step was not applied
-    with open(os.path.join(str(tmp_path), "gradguard", "diagnosis.json"), encoding="utf-8") as fh:
+    with open(os.path.join(str(tmp_path), "logs", "gradguard", "diagnosis.json"), encoding="utf-8") as fh:
         diag = json.load(fh)
     assert diag["step"] == 7 and "loss" in diag["recent_findings"][-1]["kind"]
 
