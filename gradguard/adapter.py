@@ -4,6 +4,8 @@
   everywhere, FSDP under the HF and Lightning callbacks, FSDP1 flat parameters; optimizers that update
   inside backward): :class:`UnsupportedSetupError` at attach when the policy acts; in monitor mode a
   warning, and the guard stands aside (it must never be what stops a run the engine accepts).
+* :func:`stand_aside`: a run with nothing to watch (Lightning's mock optimizer when
+  ``configure_optimizers`` returns None): one warning and no attach, in every mode.
 * :func:`resolve_clip`: the clip conflict rule. gradguard owns norm clipping when it acts and
   ``clip.mode`` is not ``"off"``: the engine's own setting (``max_grad_norm``,
   ``gradient_clip_val``) becomes the guard's starting ``clip.max_norm``; if both were set to
@@ -32,7 +34,7 @@ from ._compat import shadow_method, unshadow_method
 from .config import ClipConfig, GuardConfig
 from .errors import ConfigError, GradGuardHalt, StateError, UnsupportedSetupError, warn
 
-__all__ = ["refuse_unsupported", "unusable_resume_state", "ENGINE_REFUSALS", "engine_refusal", "sharding_problems", "refuse_setup", "resolve_clip", "may_wrap", "SchedulerHold", "HaltLatch", "free_memory",
+__all__ = ["refuse_unsupported", "stand_aside", "unusable_resume_state", "ENGINE_REFUSALS", "engine_refusal", "sharding_problems", "refuse_setup", "resolve_clip", "may_wrap", "SchedulerHold", "HaltLatch", "free_memory",
            "halt_raises"]
 
 
@@ -54,6 +56,13 @@ def refuse_unsupported(config: GuardConfig, problems: dict[str, str]) -> bool:
         raise UnsupportedSetupError(message)
     warn(f"gradguard: {message.split(' Fix:')[0]}. Monitor mode stands aside: this run is not watched")
     return False
+
+
+def stand_aside(why: str) -> None:
+    """A run with nothing the guard could watch (no optimizer step over the model's parameters):
+    one warning, and the adapter does not attach, in every mode. The engine accepts such a run, so
+    the guard must not be what stops it; there is also nothing to protect."""
+    warn(f"gradguard: {why}: nothing to watch, the guard stands aside for this run")
 
 
 def unusable_resume_state(config: GuardConfig, exc: StateError) -> None:

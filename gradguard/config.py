@@ -487,8 +487,11 @@ class OutputConfig:
     _path = "GuardConfig.output"
 
     dir: str | None = None
-    """Folder for the JSONL event log (``<dir>/gradguard/events.jsonl``); None: the adapter's run
-    directory, or ``./gradguard_runs/events-<timestamp>-<pid>.jsonl`` for plain loops."""
+    """Folder for the JSONL event log (``<dir>/gradguard/events.jsonl``; a URL such as
+    ``memory://...`` or ``s3://...`` is written through fsspec); None: where the engine keeps its
+    own logs (see :mod:`gradguard.logdir`: never the working directory nor a checkpoint folder;
+    without such a folder no event log, one warning), or
+    ``./gradguard_runs/events-<timestamp>-<pid>.jsonl`` for plain loops."""
 
     jsonl: bool = True
     """Write the JSONL event log."""

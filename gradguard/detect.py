@@ -149,7 +149,14 @@ class LossSpikeDetector:
     smooth run, the sigma term keeps a noisy run (small batches, heavy-tailed losses) from being
     flagged. A third warm-up spike in a row joins the baseline (the reference was a lucky low
     loss; a real blow-up has been acted on by then) and warm-up ends after ``3 x warmup_steps``
-    observed steps, so a noisy run is never stuck in warm-up."""
+    observed steps, so a noisy run is never stuck in warm-up.
+
+    No finding comes from a single comparison: while the baseline holds one value there is no
+    spread to judge a jump against (two losses of a random-data run differ by 1.5x or more about
+    half the time), so a loss above the ratio is *held* and judged with the next one. If that one
+    is above the same threshold too, the loss stayed up: a finding (a real blow-up from the first
+    step, as with a far too high LR, keeps rising); if not, the held loss was noise and both join
+    the baseline."""
 
     def __init__(self, cfg: DetectConfig) -> None:
         self.cfg = cfg
@@ -158,6 +165,8 @@ class LossSpikeDetector:
         self.seen = 0
         self.early_flags = 0  # consecutive warm-up spikes
         self.min_loss: float | None = None  # lowest healthy loss (reported in the diagnosis)
+        self.held: float | None = None  # a jump over the only earlier loss, judged with the next one
+        self.streak: list[float] = []  # the losses of the current run of warm-up flags
 
     def _armed(self) -> bool:
         cfg = self.cfg
@@ -183,32 +192,48 @@ class LossSpikeDetector:
             # few values, often from a falling loss: half the sigma multiplier of the armed rule
             noise = base.mean + EARLY_SIGMA_FRACTION * cfg.loss_sigma * base.sigma() if base.count >= 2 else 0.0
             thr = max(cfg.early_loss_ratio * ref, noise)
+            if x > thr > 0 and base.count < 2 and self.held is None and self.early_flags == 0:
+                # one earlier value: no spread to judge against; the next loss decides
+                self.held = x
+                return []
             if x > thr > 0:
+                if self.held is not None:  # the loss stayed up: the held one was part of the run
+                    self.streak.append(self.held)
+                    self.held = None
                 self.early_flags += 1
                 # a third flag in a row in warm-up: the reference was a lucky low loss of a noisy run
-                # (a real blow-up has been acted on by then), so the loss joins the baseline
+                # (a real blow-up has been acted on by then), so the loss joins the baseline, and so
+                # do the losses flagged against that reference before it
                 if self.early_flags < 3:
+                    self.streak.append(x)
                     finding = Finding("loss_spike", CRITICAL if x > 2 * thr else WARNING, s.step, value=x,
                                       threshold=thr, baseline=ref,
                                       message=f"loss {x:.4g} > {thr:.4g} ({cfg.early_loss_ratio} x recent loss "
                                               f"{ref:.4g}) during warm-up")
         if finding is None:
-            self.early_flags = 0
-            base.update(x)
-            self.healthy += 1
-            self.min_loss = x if self.min_loss is None else min(self.min_loss, x)
+            # the held jump was noise; a run of flags that reached three was judged against a lucky low
+            # reference: these join the baseline first. A run ended by a normal loss was a spike: dropped.
+            joining = ([self.held] if self.held is not None else []) + (self.streak if self.early_flags >= 3 else [])
+            self.early_flags, self.held, self.streak = 0, None, []
+            for v in [*joining, x]:
+                base.update(v)
+                self.healthy += 1
+                self.min_loss = v if self.min_loss is None else min(self.min_loss, v)
             return []
         return [finding]
 
     def state_dict(self) -> dict[str, Any]:
         return {"base": self.base.state_dict(), "healthy": self.healthy, "min_loss": self.min_loss,
-                "seen": self.seen, "early_flags": self.early_flags}
+                "seen": self.seen, "early_flags": self.early_flags, "held": self.held, "streak": list(self.streak)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.base.load_state_dict(state["base"])
         self.healthy, self.min_loss = state["healthy"], state["min_loss"]
         self.seen = int(state.get("seen", self.healthy))
         self.early_flags = int(state.get("early_flags", 0))
+        held = state.get("held")
+        self.held = None if held is None else float(held)
+        self.streak = [float(v) for v in state.get("streak", [])]
 
 
 class GradSpikeDetector:
@@ -227,6 +252,10 @@ class GradSpikeDetector:
             if b is not None and b.mean is not None and b.mean > 0 and math.isfinite(v) and v > b.mean:
                 ratios.append((v / b.mean, name))
         return [name for _, name in sorted(ratios, reverse=True)[:k]]
+
+    def restart_total(self) -> None:
+        """Start the total-norm baseline over (the set of measured layers changed)."""
+        self.total = RobustBaseline(self.cfg.ema_alpha, self.cfg.min_rel_spread)
 
     def ratio(self, norm: float) -> float:
         """How many times the total-norm baseline this norm is (1.0 before any baseline)."""

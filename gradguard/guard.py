@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -33,6 +32,7 @@ from .contract import CheckpointSource, Collective
 from .contract import collective as default_collective
 from .detect import NORM_TAKEOVER, Detectors, Finding, Signals
 from .errors import ConfigError, GradGuardHalt, UnsupportedSetupError, is_rank0, warn
+from .logdir import event_log_dir, is_url, join, write_text
 from .measure import EngineClip, GradMeasurer, LayerMap, metric_key, norm_layers
 from .oom import OomRecovery, PieceFailed
 from .policy import Action, Policy
@@ -100,21 +100,11 @@ def optimizer_info(optimizer: Any) -> dict[str, Any]:
     return {"class": type(optimizer).__name__, "groups": groups}
 
 
-def event_log_dir(out_dir: str) -> str:
-    """The folder of gradguard's files under ``out_dir``: ``<out_dir>/gradguard``, except where a
-    folder of that name would shadow the ``gradguard`` package (``out_dir`` is the working
-    directory or on ``sys.path``): then ``<out_dir>/gradguard_runs``."""
-    real = os.path.realpath(out_dir)
-    importable = {os.path.realpath(p or os.getcwd()) for p in sys.path if isinstance(p, str)}
-    importable.add(os.path.realpath(os.getcwd()))
-    return os.path.join(out_dir, "gradguard_runs" if real in importable else "gradguard")
-
-
 def event_log_path(out_dir: str | None) -> str:
     """The JSONL event log: ``<event_log_dir(out_dir)>/events.jsonl``, or without ``out_dir``
     ``./gradguard_runs/events-<timestamp>-<pid>.jsonl``."""
     if out_dir is not None:
-        return os.path.join(event_log_dir(out_dir), "events.jsonl")
+        return join(event_log_dir(out_dir), "events.jsonl")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return os.path.join(os.getcwd(), "gradguard_runs", f"events-{stamp}-{os.getpid()}.jsonl")
 
@@ -148,6 +138,7 @@ class GuardCore:
         self.measurer.sharding = sharding(model, self.collective.world_size, self.reduce)
         self.detectors = Detectors(config.detect)
         self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(model, self.layers))
+        self._layers_version = self.layers.version
         self.policy = Policy(config.policy)
         self.clip = ClipController(config.clip)
         self.lr = LRMultiplier(config.lr, self.optimizer, self.layers, hooks=config.policy.act)
@@ -222,9 +213,20 @@ class GuardCore:
     # -- validation ------------------------------------------------------------------------
     def _check_optimizer_covers_model(self) -> None:
         in_opt = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        if not self.layers.params:
+            return  # everything frozen for now: the layer map follows the optimizer (LayerMap.sync)
         if not any(id(p) in in_opt for p in self.layers.params):
             raise UnsupportedSetupError("gradguard: none of the model's trainable parameters is in the optimizer. "
                              "Fix: pass the same model the optimizer was built from")
+
+    def _layers_joined(self) -> None:
+        """Parameters became trainable (unfrozen or added to the optimizer): the total grad norm
+        now sums more layers, so its baseline starts over (a warm-up of its own) rather than
+        reading the larger norm as a spike; the takeover rule sees the new layers."""
+        self._layers_version = self.layers.version
+        self.detectors.grad.restart_total()
+        self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(self.model, self.layers))
+        self._emit({"type": "layers_joined", "step": self.step_count + 1, "layers": list(self.layers.layer_names)})
 
     # -- engine API ------------------------------------------------------------------------
     def observe_loss(self, loss: torch.Tensor | float) -> None:
@@ -257,6 +259,8 @@ class GuardCore:
         scale_t, found_t = _scaler_state(scaler, self.optimizer)
         meas = self.measurer.measure([loss_v, scale_t, found_t], reduce=self.reduce, engine=engine_clip)
         grads, self.measurer.last_grads = self.measurer.last_grads, []  # never held past this step
+        if self.layers.version != self._layers_version:
+            self._layers_joined()
         loss_f, scale_f, found_f = meas.extras
         scale = None if scale_t is None else scale_f
         overflow = bool(found_t is not None and found_f > 0)
@@ -548,17 +552,13 @@ class GuardCore:
         """Write ``diagnosis.json`` (next to the event log unless ``folder``; on rank 0 only)."""
         if folder is None:
             if self.log_path is not None:
-                folder = os.path.dirname(self.log_path)
+                folder = self.log_path.rsplit("/", 1)[0] if is_url(self.log_path) else os.path.dirname(self.log_path)
             elif self.out_dir is not None:
                 folder = event_log_dir(self.out_dir)
         if folder is None or not is_rank0():
             return None
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, "diagnosis.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(_clean(diagnosis), fh, indent=2)
-        os.replace(tmp, path)
+        path = join(folder, "diagnosis.json")
+        write_text(path, json.dumps(_clean(diagnosis), indent=2))
         self.diagnosis_path = path
         return path
 

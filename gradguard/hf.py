@@ -20,7 +20,7 @@ How the Trainer's events map onto the core:
   A skipped step sets every ``p.grad = None`` (the optimizer step is a no-op, Adam's step count
   does not move) and holds the LR scheduler for that one ``step()`` call.
 * ``on_step_end``: ``core.after_step``; a halt sets ``should_training_stop`` and ``should_save``
-  and writes ``<out>/gradguard/diagnosis.json``; ``GradGuardHalt`` is raised after the save.
+  and writes ``diagnosis.json`` beside the event log; ``GradGuardHalt`` is raised after the save.
 * ``on_log``: the run-level ``gradguard/...`` metrics are added to the Trainer's logs (the callback
   moves itself ahead of the reporting integrations so that they receive them); the per-layer ones
   go straight to the ``report_to`` W&B run / TensorBoard writer at the same ``train/global_step``
@@ -65,7 +65,7 @@ from ._compat import (
 from ._hf.checkpoints import STATE_FILE, TrainerCheckpoints, find_resume_state, write_state_file
 from ._hf.live import bind_integrations, is_logging_step
 from ._hf.loader import TrainerLoader
-from ._hf.setup import log_entries, unsupported
+from ._hf.setup import log_entries, tensorboard_dir, unsupported
 from ._hf.steps import StepRunner
 from .act import drop_grads, unwrap_optimizer
 from .adapter import (
@@ -81,6 +81,7 @@ from .adapter import (
 from .config import GuardConfig
 from .errors import StateError
 from .guard import GuardCore, StepReport
+from .logdir import choose_log_dir
 from .measure import EngineClip
 from .policy import Action
 from .sinks import M, Sink, is_headline
@@ -88,6 +89,7 @@ from .sinks import M, Sink, is_headline
 try:
     from transformers import TrainerCallback
     from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as exc:  # pragma: no cover - only without the extra
     raise ImportError("gradguard.hf needs transformers: pip install 'gradguard[hf]'") from exc
 
@@ -106,7 +108,10 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         config: a :class:`GuardConfig` (or its dict form); default ``GuardConfig()``.
         sinks: extra :class:`gradguard.Sink` objects (the JSONL log and the console are built in).
         out_dir: folder of the event log (``<out_dir>/gradguard/events.jsonl``); default
-            ``config.output.dir``, else the Trainer's ``output_dir``.
+            ``config.output.dir``, else the Trainer's logging directory when it reports to
+            TensorBoard (``<output_dir>/runs/<time>_<host>/gradguard/``), else no event log (one
+            warning): never an entry among the ``checkpoint-*`` folders of ``output_dir``. The
+            rule: :mod:`gradguard.logdir`.
         raise_on_halt: overrides ``config.output.halt_raises`` (None: the config decides): after a
             halt has stopped training and saved a checkpoint, raise :class:`GradGuardHalt` from
             ``trainer.train()`` (False: only stop; see ``.diagnosis``).
@@ -252,7 +257,13 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         cfg, self._replay_clip = self._effective_config(args)
         self._user_max_grad_norm = args.max_grad_norm
         scaler = getattr(optimizer, "scaler", None)
-        out_dir = self.out_dir or cfg.output.dir or args.output_dir
+        out_dir = None
+        if cfg.output.jsonl:  # the main process: where the Trainer keeps its logs (gradguard.logdir)
+            out_dir = choose_log_dir(self.out_dir or cfg.output.dir, [tensorboard_dir(hf_callback_list(self), args)],
+                                     engine="HF Trainer", how_to_name="GradGuardCallback(out_dir=...)",
+                                     checkpoint_dirs=[args.output_dir], checkpoint_prefix=PREFIX_CHECKPOINT_DIR)
+            if out_dir is None:
+                cfg.output = dataclasses.replace(cfg.output, jsonl=False)
         opt = unwrap_optimizer(optimizer)
         self.core = core = GuardCore(model, opt, config=cfg, sinks=list(self.user_sinks), out_dir=out_dir,
                                      scheduler=lr_scheduler, scaler=scaler)

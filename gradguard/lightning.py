@@ -9,7 +9,8 @@ files as checkpoint source (``checkpoints.py``), the step wrappers (``steps.py``
 
 Hook -> event (automatic optimization, Lightning 2.4+):
 
-* ``on_train_start`` -> FIT_START: refusals (DeepSpeed/FSDP strategies, no optimizer), the clip rule
+* ``on_train_start`` -> FIT_START: refusals (DeepSpeed/FSDP strategies), standing aside without an
+  optimizer over the module (Lightning's mock optimizer: one warning), the clip rule
   (``gradient_clip_val`` becomes the guard's starting ``clip.max_norm``), the core on the
   LightningModule and the first optimizer, the guard state of a resumed run (RESUME); the loader
   handle, the checkpoint source and (when the policy acts) the step wrappers are attached.
@@ -44,7 +45,7 @@ from ._compat import check_features, pl_saving_checkpoint_path, pl_should_update
 from ._lightning.checkpoints import ModelCheckpointFiles
 from ._lightning.clip import ClipTakeover
 from ._lightning.loader import TrainerLoader
-from ._lightning.setup import LightningLoggerSink, console_writer, live_sinks, unsupported
+from ._lightning.setup import LightningLoggerSink, console_writer, live_sinks, nothing_to_watch, unsupported
 from ._lightning.steps import StepWrappers
 from .act import unwrap_optimizer
 from .adapter import (
@@ -55,11 +56,13 @@ from .adapter import (
     may_wrap,
     refuse_unsupported,
     resolve_clip,
+    stand_aside,
     unusable_resume_state,
 )
 from .config import GuardConfig
 from .errors import GradGuardHalt, StateError, warn
 from .guard import GuardCore, StepReport
+from .logdir import choose_log_dir
 from .policy import Action
 from .sinks import Sink
 
@@ -83,9 +86,11 @@ class _GradGuardMixin:
                 (``"monitor"`` for a guard that only watches, so one of each fits in a Trainer).
             sinks: extra sinks (on global rank 0 only).
             out_dir: folder of the JSONL log (``<out_dir>/gradguard/``); default ``config.output.dir``,
-                else ``trainer.log_dir`` (the logger's version folder), else ``default_root_dir``
-                (the working directory by default: then ``./gradguard_runs/``, never a folder that
-                would shadow the package).
+                else ``trainer.log_dir`` (the logger's version folder); without a logger, or when
+                that folder is the working directory or a checkpoint folder (``default_root_dir``,
+                where Lightning writes its HPC checkpoints, or a ``ModelCheckpoint.dirpath``), no
+                event log (one warning). Remote roots (``memory://``, ``s3://``) are written
+                through fsspec. The rule: :mod:`gradguard.logdir`.
             layer_fn: parameter name -> layer name (see ``gradguard.measure.LayerMap``).
             log_to_loggers: send the core's metrics to the trainer's loggers: the regular rows with
                 ``pl_module.log_dict`` (Lightning's ``log_every_n_steps`` and step, next to the
@@ -206,6 +211,12 @@ class _GradGuardMixin:
         log_dir = trainer.log_dir  # a collective under DDP: called on every rank
         self._trainer = trainer
         check_ladder(self.config)
+        why = nothing_to_watch(trainer)
+        if why is not None:
+            if self.core is not None:
+                self._teardown_core()
+            stand_aside(why)
+            return
         if not refuse_unsupported(self.config, unsupported(trainer)):
             return  # monitor mode on an unsupported setup: stand aside
         opt = unwrap_optimizer(trainer.optimizers[0])
@@ -231,7 +242,16 @@ class _GradGuardMixin:
             sinks = list(self.extra_sinks)
             if self.log_to_loggers and trainer.loggers:
                 sinks.extend(live_sinks(trainer, sinks))
-        out_dir = self.out_dir or cfg.output.dir or log_dir or trainer.default_root_dir
+        out_dir = None
+        if cfg.output.jsonl:  # rank 0: where the engine keeps its logs (gradguard.logdir)
+            # without a logger Lightning keeps no log folder: default_root_dir is where its HPC
+            # checkpoints (hpc_ckpt_*.ckpt) go, so it counts as a checkpoint folder
+            out_dir = choose_log_dir(self.out_dir or cfg.output.dir, [log_dir if trainer.loggers else None],
+                                     engine="Lightning", how_to_name="GradGuardCallback(out_dir=...)",
+                                     checkpoint_dirs=[trainer.default_root_dir,
+                                                      *(getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks)])
+            if out_dir is None:
+                cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, jsonl=False))
         self.scaler = getattr(trainer.precision_plugin, "scaler", None)
         sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         self.core = GuardCore(pl_module, opt, config=cfg, sinks=sinks, out_dir=out_dir, layer_fn=self.layer_fn,

@@ -52,7 +52,11 @@ class LayerMap:
     With ``optimizer`` the map follows it: parameters that become trainable after attach
     (unfrozen with ``requires_grad_()``, or added with ``optimizer.add_param_group``) join the
     map at the next :meth:`sync`. The re-check is cheap: the param groups' sizes, plus the
-    ``requires_grad`` flag of optimizer parameters still frozen (none in most runs)."""
+    ``requires_grad`` flag of optimizer parameters still frozen (none in most runs).
+
+    A model whose parameters are all frozen when the guard attaches (a fine-tuning callback such
+    as Lightning's ``BaseFinetuning`` freezes everything before training and unfreezes by epoch)
+    starts with an empty map when ``optimizer`` holds some of them: they join when unfrozen."""
 
     def __init__(self, model: nn.Module,
                  layer_fn: Callable[[str], str] | str | None = None,
@@ -83,7 +87,7 @@ class LayerMap:
         self._frozen: list[nn.Parameter] = []  # optimizer parameters not yet trainable
         self._signature: tuple[int, ...] | None = None
         self._add(p_name_pairs=[(n, p) for n, p in model.named_parameters() if p.requires_grad])
-        if not self.params:
+        if not self.params and (optimizer is None or not self._holds_model_params(optimizer)):
             raise UnsupportedSetupError("gradguard: the model has no trainable parameters (requires_grad=True); "
                              "attach the guard to the model being trained")
         if optimizer is not None:
@@ -105,6 +109,11 @@ class LayerMap:
             self.layer_index.append(self._seen[layer])
             added.append(pname)
         return added
+
+    def _holds_model_params(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer holds any of the model's parameters, frozen or not."""
+        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        return any(id(p) in in_opt for p in self.model.parameters())
 
     def _opt_signature(self) -> tuple[int, ...]:
         assert self.optimizer is not None
@@ -446,6 +455,8 @@ class GradMeasurer:
 
     @torch.no_grad()
     def _layer_norms_of(self, tensors: list[torch.Tensor]) -> list[float]:
+        if not tensors:  # nothing trainable yet (everything frozen)
+            return [0.0] * len(self.layers)
         weights = None
         if self.sharding is not None:
             tensors, weights = self.sharding.localize(tensors)

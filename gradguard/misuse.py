@@ -128,7 +128,7 @@ class MisuseWatch:
 
     def after(self, core: Any, report: Any) -> None:
         """Call with the step's report."""
-        if report.total_norm == 0.0:
+        if report.total_norm == 0.0 and core.layers.params:  # (nothing trainable yet: a frozen start)
             self._zero_streak += 1
             if self._zero_streak >= self.zero_grad_steps:
                 self._report(core, "no_gradients", report.step,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from typing import Any, TextIO
 
-from . import _io
+from . import _io, logdir
 from .errors import warn
 
 __all__ = ["Sink", "JSONLSink", "ConsoleSink", "MemorySink", "TensorBoardSink", "WandbSink", "M",
@@ -142,7 +141,13 @@ class JSONLSink(Sink):
 
     An I/O error (disk full, read-only or deleted folder) never reaches training: the log stops,
     a ``RuntimeWarning`` is issued and a ``sink_io_error`` event goes to ``on_error`` (the guard
-    sets it to send the event to its other sinks)."""
+    sets it to send the event to its other sinks).
+
+    A URL path (``memory://``, ``s3://``...) is written through fsspec (see :mod:`gradguard.logdir`):
+    lines are appended in batches (every event at once, metrics every ``REMOTE_BATCH`` lines, the
+    rest at close), each batch with one open-append-close, as Lightning's CSV logger does."""
+
+    REMOTE_BATCH = 50
 
     def __init__(self, path: str, metrics: bool = True) -> None:
         self.path = path
@@ -151,12 +156,18 @@ class JSONLSink(Sink):
         self._on_error: Any = None
         self._pending: list[dict[str, Any]] = []
         self._fh: TextIO | None = None
+        self._remote = logdir.is_url(path)
+        self._lines: list[str] = []  # remote: not yet appended
+        self._live = True
         try:
-            _io.check_write(path)
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._fh = open(path, "a", encoding="utf-8")
-        except OSError as exc:
-            self._fail("open", exc)
+            if self._remote:
+                with logdir.open_append(path):  # creates the folder and checks the file system takes appends
+                    pass
+            else:
+                _io.check_write(path)
+                self._fh = logdir.open_append(path)  # type: ignore[assignment]
+        except Exception as exc:  # noqa: BLE001 - a remote file system raises its own errors
+            self._fail("open", exc if isinstance(exc, OSError) else OSError(str(exc)))
 
     @property
     def on_error(self) -> Any:
@@ -171,6 +182,8 @@ class JSONLSink(Sink):
             fn(ev)
 
     def _fail(self, what: str, exc: OSError) -> None:
+        self._live = False
+        self._lines = []
         fh, self._fh = self._fh, None
         if fh is not None:
             try:
@@ -187,7 +200,23 @@ class JSONLSink(Sink):
         else:
             self._on_error(event)
 
+    def _flush_remote(self) -> None:
+        lines, self._lines = self._lines, []
+        if not lines or not self._live:
+            return
+        try:
+            with logdir.open_append(self.path) as fh:
+                fh.write("".join(lines))
+        except Exception as exc:  # noqa: BLE001 - a remote file system raises its own errors
+            self._fail("write", exc if isinstance(exc, OSError) else OSError(str(exc)))
+
     def _write(self, obj: dict[str, Any]) -> None:
+        if self._remote:
+            if self._live:
+                self._lines.append(json.dumps(_clean(obj), sort_keys=False) + "\n")
+                if obj.get("type") != "metrics" or len(self._lines) >= self.REMOTE_BATCH:
+                    self._flush_remote()
+            return
         if self._fh is None:
             return
         try:
@@ -207,6 +236,8 @@ class JSONLSink(Sink):
     def close(self, summary: dict[str, Any] | None = None) -> None:
         if summary is not None:
             self._write({"type": "summary", **summary})
+        if self._remote:
+            self._flush_remote()
         if self._fh is not None:
             try:
                 self._fh.close()

@@ -146,8 +146,25 @@ def test_clip_conflict_is_resolved_the_same_way_in_every_engine(tmp_path, engine
     assert mon.core.max_grad_norm is None and torch.equal(mon.weights[3], ref.weights[3])
 
 
-def test_refusal_is_an_error_when_acting_and_a_stand_aside_warning_in_monitor_mode(tmp_path):
-    """An unsupported setup (here: a LightningModule without an optimizer) is refused at attach time."""
+def test_refusal_is_an_error_when_acting_and_a_stand_aside_warning_in_monitor_mode():
+    """The refusal rule every adapter applies to a setup it cannot guard (DeepSpeed, FSDP, LOMO)."""
+    from gradguard.adapter import refuse_unsupported
+
+    problems = {"Trainer(strategy=DeepSpeedStrategy)": "DeepSpeed steps inside its engine. Fix: train with DDP"}
+    with pytest.raises(gg.UnsupportedSetupError, match="DeepSpeedStrategy.*Fix: train with DDP"):
+        refuse_unsupported(gg.GuardConfig(), problems)
+    with pytest.warns(gg.GradGuardWarning, match="stands aside"):
+        assert refuse_unsupported(gg.GuardConfig.preset("monitor"), problems) is False
+    assert refuse_unsupported(gg.GuardConfig(), {}) is True
+
+
+@pytest.mark.parametrize("preset", ["default", "monitor"])
+def test_an_optimizer_less_module_trains_with_one_warning_and_the_guard_aside(tmp_path, monkeypatch, preset):
+    """configure_optimizers returning None: Lightning trains with its mock optimizer (and a warning of
+    its own); the guard has nothing to watch, says so once and stands aside in every mode: fit is never
+    stopped by it."""
+    import warnings
+
     L = pytest.importorskip("lightning.pytorch")
     from gradguard.lightning import GradGuardCallback
 
@@ -162,18 +179,18 @@ def test_refusal_is_an_error_when_acting_and_a_stand_aside_warning_in_monitor_mo
         def configure_optimizers(self):
             return None
 
-    def fit(cb):
-        trainer = L.Trainer(accelerator="cpu", max_steps=2, callbacks=[cb], logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    cb = GradGuardCallback(gg.GuardConfig.preset(preset))
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, callbacks=[cb], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.fit(NoOpt(), torch.utils.data.DataLoader(Data(16), batch_size=BS))
-        return trainer
-
-    with pytest.raises(gg.UnsupportedSetupError, match="configure_optimizers.*Fix:"):
-        fit(GradGuardCallback(cfg(tmp_path)))
-    cb = GradGuardCallback(cfg(tmp_path, "monitor"))
-    with pytest.warns(gg.GradGuardWarning, match="stands aside"):
-        trainer = fit(cb)
+    ours = [w for w in caught if issubclass(w.category, gg.GradGuardWarning)]
+    assert len(ours) == 1 and "stands aside" in str(ours[0].message), [str(w.message) for w in ours]
+    assert "configure_optimizers" in str(ours[0].message)
     assert cb.core is None and trainer.global_step == 2  # the run Lightning accepts is not stopped
+    assert os.listdir(tmp_path) == []  # and nothing of gradguard's was written
 
 
 def test_stateful_pieces_round_trip_their_state(tmp_path):

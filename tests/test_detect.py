@@ -73,7 +73,8 @@ def test_spikes_kept_out_of_baseline():
 def test_early_spike_found_during_warmup():
     det = LossSpikeDetector(DetectConfig())
     assert not det.observe(sig(1, loss=5.5))
-    f = det.observe(sig(2, loss=10.0))
+    assert not det.observe(sig(2, loss=10.0))  # a jump over the only earlier loss is held...
+    f = det.observe(sig(3, loss=10.2))  # ...and is a spike when the next loss stays up
     assert f and f[0].kind == "loss_spike" and "warm-up" in f[0].message
 
 

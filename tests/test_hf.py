@@ -44,7 +44,8 @@ def tiny_gpt2() -> GPT2LMHeadModel:
 
 
 def cfg(tmp_path, preset: str = "default", **over) -> gg.GuardConfig:
-    over["output"] = {"console": False, **over.get("output", {})}
+    # report_to=[]: the Trainer keeps no log folder, so the event log goes to a named one
+    over["output"] = {"console": False, "dir": str(tmp_path / "logs"), **over.get("output", {})}
     return gg.GuardConfig.preset(preset, **over)
 
 
@@ -132,7 +133,7 @@ def test_monitor_is_bit_identical_and_reports_the_trainers_grad_norm(tmp_path):
         assert "gradguard/grad_norm/transformer_h_0" not in h  # per-layer values: report_to only, not printed
     assert any(h["grad_norm"] > 1.0 for h in la)  # the clip really was in use
     assert guarded.args.max_grad_norm == 1.0  # the user's value is back after training
-    events = tmp_path / "b" / "out" / "gradguard" / "events.jsonl"
+    events = tmp_path / "logs" / "gradguard" / "events.jsonl"
     lines = [json.loads(x) for x in events.read_text().splitlines()]
     assert lines[0]["type"] == "start" and lines[-1]["type"] == "summary" and lines[-1]["steps"] == 6
 
@@ -234,7 +235,7 @@ def test_halt_stops_saves_and_raises_with_a_diagnosis(tmp_path):
         tr.train()
     assert tr.state.global_step == 4
     out = tmp_path / "out"
-    diag = json.loads((out / "gradguard" / "diagnosis.json").read_text())
+    diag = json.loads((tmp_path / "logs" / "gradguard" / "diagnosis.json").read_text())  # beside the event log
     assert diag["step"] == 4 and "consecutive" in diag["reason"]
     ckpt = out / "checkpoint-4"
     assert (ckpt / "diagnosis.json").is_file() and (ckpt / STATE_FILE).is_file()

@@ -26,7 +26,7 @@ def no_dropout():
 
 
 def events(tmp_path) -> list[dict]:
-    path = tmp_path / "out" / "gradguard" / "events.jsonl"
+    path = tmp_path / "logs" / "gradguard" / "events.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
@@ -64,7 +64,7 @@ def test_oom_in_forward_retries_the_same_samples_in_chunks(tmp_path, loss_kwargs
         assert b["gradguard/loss"] == pytest.approx(a["loss"], rel=1e-4)
     for p, q in zip(plain.model.parameters(), tr.model.parameters()):
         assert torch.allclose(p, q, atol=1e-4)
-    acts = [e for e in events(tmp_path / "b") if e["type"] == "action"]
+    acts = [e for e in events(tmp_path) if e["type"] == "action"]
     assert [a["name"] for a in acts] == ["oom_shrink_micro"]
     assert acts[0]["params"]["micro_batch"] == [4, 2] and acts[0]["params"]["pieces"] == 2
     assert "training_step" not in vars(tr)  # the wrapper is gone after train()

@@ -136,7 +136,8 @@ class LitGPT(L.LightningModule):
 
 
 def cfg(tmp_path, preset: str = "default", **over) -> gg.GuardConfig:
-    over["output"] = {"console": False, "metrics_interval": 1, **over.get("output", {})}
+    # logger=False (fit's default here): Lightning keeps no log folder, so the event log goes to a named one
+    over["output"] = {"console": False, "metrics_interval": 1, "dir": str(tmp_path / "logs"), **over.get("output", {})}
     return gg.GuardConfig.preset(preset, **over)
 
 
@@ -164,7 +165,7 @@ def test_monitor_mode_is_bit_identical_and_logs_to_the_run_dir(tmp_path):
     assert torch.equal(flat(plain), flat(guarded))
     assert trainer.gradient_clip_val == 0.5  # monitor mode leaves the user's clipping alone
     assert cb.core.step_count == 12 and cb.core.skipped_steps == 0
-    log = os.path.join(str(tmp_path / "b"), "gradguard", "events.jsonl")
+    log = os.path.join(str(tmp_path / "logs"), "gradguard", "events.jsonl")
     assert cb.core.log_path == log and os.path.isfile(log)
     assert events(log)[-1]["type"] == "summary"
 
@@ -293,7 +294,7 @@ def test_halt_stops_the_trainer_with_a_diagnosis(tmp_path):
     assert exc.value.diagnosis == cb.diagnosis and cb.diagnosis_path is not None
     assert trainer.should_stop and trainer.global_step == 7
     assert torch.equal(m.params[6], m.params[7])  # the halting step was not applied
-    with open(os.path.join(str(tmp_path), "gradguard", "diagnosis.json"), encoding="utf-8") as fh:
+    with open(os.path.join(str(tmp_path), "logs", "gradguard", "diagnosis.json"), encoding="utf-8") as fh:
         diag = json.load(fh)
     assert diag["step"] == 7 and "loss" in diag["recent_findings"][-1]["kind"]
 

@@ -13,6 +13,7 @@ import torch
 
 L = pytest.importorskip("lightning.pytorch")
 
+import gradguard as gg  # noqa: E402
 from gradguard.lightning import GradGuardCallback  # noqa: E402
 from tests.test_lightning import LitGPT, Windows, cfg, events, flat  # noqa: E402
 
@@ -100,7 +101,7 @@ def test_global_shrink_scales_lr_grows_back_with_tight_clip_and_keeps_the_epoch_
 
 
 def test_micro_shrink_halves_the_loader_and_doubles_accumulation_at_an_aligned_boundary(tmp_path):
-    m = Rec(spike_at={2, 3})
+    m = Rec(spike_at={4, 5})  # (a jump at step 2, over a single earlier loss, is held for the next one)
     c = cfg(tmp_path, policy={"ladder": [["shrink_batch"]]},
             recovery={"snapshot_interval": 0, "shrink_mode": "micro"})
     cb = GradGuardCallback(c)
@@ -108,17 +109,17 @@ def test_micro_shrink_halves_the_loader_and_doubles_accumulation_at_an_aligned_b
     trainer = trainer_for(tmp_path, [cb, keep], steps=8, accumulate_grad_batches=2)
     trainer.fit(m, idx_loader(8, 256))
     act = actions(cb, "shrink_batch")
-    assert len(act) == 1 and act[0]["step"] == 3
+    assert len(act) == 1 and act[0]["step"] == 5
     assert act[0]["params"]["micro_batch"] == [8, 4] and act[0]["params"]["accumulation"] == 4
-    # decided after batch 6 (not a multiple of 4): step 4 still runs 2 x 8, then 4 x 4 from batch 9
-    assert [m.sizes(s) for s in range(1, 9)] == [[8, 8]] * 4 + [[4, 4, 4, 4]] * 4
+    # decided after batch 10 (not a multiple of 4): step 6 still runs 2 x 8, then 4 x 4 from batch 13
+    assert [m.sizes(s) for s in range(1, 9)] == [[8, 8]] * 6 + [[4, 4, 4, 4]] * 2
     assert trainer.accumulate_grad_batches == 4
     assert all(sum(m.sizes(s)) == 16 for s in range(1, 9))  # the global batch is kept
     assert cb.core.lr.batch_scale == 1.0 and m.step_lrs[7][0] == pytest.approx(m.base_lr[7])
     # the guard's step loss is the mean over the new micro-batches (Lightning's 1/4 undone)
     assert keep.r[7].loss == pytest.approx(sum(m.micro_losses[-8:-4]) / 4, rel=1e-5)
-    # 8 batches of 8 were drawn, the 192 samples left make 48 batches of 4
-    assert trainer.num_training_batches == 56
+    # 12 batches of 8 were drawn, the 160 samples left make 40 batches of 4
+    assert trainer.num_training_batches == 52
     assert all(math.isfinite(float(v)) for v in flat(m))
 
 
@@ -317,10 +318,18 @@ def test_a_checkpoint_holding_pickled_objects_is_skipped_not_executed(tmp_path):
 
 
 def test_no_logger_writes_no_package_shadowing_folder_in_the_working_directory(tmp_path, monkeypatch):
-    """logger=False and no default_root_dir: Lightning's root is the working directory. A
-    ./gradguard folder there would shadow the package; the log goes to ./gradguard_runs/."""
+    """logger=False and no default_root_dir: Lightning's root is the working directory, where
+    gradguard writes nothing (one warning says how to name a folder); a ./gradguard folder there
+    would also shadow the package."""
     monkeypatch.chdir(tmp_path)
-    cb = GradGuardCallback(cfg(tmp_path))
+    cb = GradGuardCallback(cfg(tmp_path, output={"dir": None}))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[cb], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with pytest.warns(gg.GradGuardWarning, match="no event log for this Lightning run"):
+        trainer.fit(LitGPT(), torch.utils.data.DataLoader(Windows(64), batch_size=8))
+    assert os.listdir(tmp_path) == [] and cb.core.log_path is None
+    # the same run with the working directory named explicitly: ./gradguard_runs/, never ./gradguard/
+    cb = GradGuardCallback(cfg(tmp_path, output={"dir": None}), out_dir=str(tmp_path))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[cb], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(LitGPT(), torch.utils.data.DataLoader(Windows(64), batch_size=8))

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from ..adapter import engine_refusal
 
-__all__ = ["unsupported", "log_entries"]
+__all__ = ["unsupported", "log_entries", "tensorboard_dir"]
 
 _UNSKIPPABLE_OPTIMS = ("lomo", "adalomo")  # update inside backward: no optimizer step to skip
 def unsupported(args: Any, optimizer: Any) -> dict[str, str]:
@@ -51,3 +52,22 @@ def log_entries(metrics: dict[str, float], window: list[float], layer_metrics: b
     else:
         m.pop("gradguard/loss", None)  # no step of this logging window was computed (a skipped data window)
     return m
+
+
+def tensorboard_dir(callbacks: list[Any] | None, args: Any) -> str | None:
+    """The Trainer's logging directory: the TensorBoard integration's (``TENSORBOARD_LOGGING_DIR``,
+    else ``<output_dir>/runs/<time>_<host>``), None when the Trainer does not report to TensorBoard
+    (transformers 5 has no ``TrainingArguments.logging_dir``). This callback runs before the
+    reporters, so the default folder is computed here as the integration computes it and handed
+    to it: both write to the same folder."""
+    try:
+        from transformers.integrations import TensorBoardCallback
+        from transformers.integrations.integration_utils import default_logdir
+    except ImportError:  # pragma: no cover - an older transformers
+        return None
+    tb = next((c for c in callbacks or [] if isinstance(c, TensorBoardCallback)), None)
+    if tb is None:
+        return None
+    if getattr(tb, "logging_dir", None) is None:
+        tb.logging_dir = os.path.join(args.output_dir, default_logdir())
+    return str(tb.logging_dir)

@@ -8,7 +8,7 @@ from .._compat import pl_log_step
 from ..adapter import engine_refusal
 from ..sinks import Sink, TensorBoardSink, WandbSink
 
-__all__ = ["unsupported", "LightningLoggerSink", "live_sinks", "console_writer"]
+__all__ = ["unsupported", "nothing_to_watch", "LightningLoggerSink", "live_sinks", "console_writer"]
 
 # strategy class names (substring) -> ENGINE_REFUSALS kind; ModelParallelStrategy is FSDP2 (+ TP)
 _REFUSED_STRATEGIES = {"DeepSpeed": "deepspeed", "FSDP": "fsdp", "ModelParallel": "fsdp"}
@@ -63,16 +63,10 @@ def unsupported(trainer: Any) -> dict[str, str]:
         if key.lower() in strategy.lower():
             out.update(engine_refusal(kind, f"Trainer(strategy={strategy})"))
             break
-    module = trainer.lightning_module
-    trained = {id(p) for p in module.parameters() if p.requires_grad}
-    in_opt = {id(p) for opt in trainer.optimizers for g in getattr(opt, "param_groups", []) for p in g["params"]}
     from ..misuse import closure_refusal
 
     for opt in trainer.optimizers[:1]:
         out.update(closure_refusal(opt))
-    if not trainer.optimizers or not trained & in_opt:
-        out["configure_optimizers"] = ("the trainer has no optimizer over the module's parameters (Lightning trains "
-                                       "with a mock optimizer). Fix: return one from configure_optimizers")
     return out
 
 
@@ -92,3 +86,19 @@ def console_writer(trainer: Any) -> Any:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     return write
+
+
+def nothing_to_watch(trainer: Any) -> str | None:
+    """Why this run has no optimizer step over the module's parameters to watch (None: it has).
+
+    ``configure_optimizers`` returning None makes Lightning train with a mock optimizer that
+    updates nothing. Parameters that are all frozen when training starts are not a reason: a
+    fine-tuning callback (``BaseFinetuning``) unfreezes them later, and the guard follows them as
+    long as the optimizer holds them or gets them with ``add_param_group``."""
+    module = trainer.lightning_module
+    params = {id(p) for p in module.parameters()}
+    in_opt = {id(p) for opt in trainer.optimizers for g in getattr(opt, "param_groups", []) for p in g["params"]}
+    if not trainer.optimizers or not params & in_opt:
+        return ("configure_optimizers returned no optimizer over the module's parameters (Lightning trains with a "
+                "mock optimizer that updates nothing)")
+    return None
