@@ -120,13 +120,13 @@ def main(out: str | None = None, steps: int | None = None, seed: int = 0, quiet:
     runs["tuned"] = train_run(tuned, data=data, eval_batches=ev)
     table = format_table(runs)
     say(table)
+    report = _write_report(runs["guarded"]["guard"]["log"], say)
+    runs["guarded"]["report"] = report
     summary = {k: {kk: vv for kk, vv in v.items() if kk != "losses"} for k, v in runs.items()}
     summary["curves"] = {k: v["losses"] for k, v in runs.items()}
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1, default=str)
     say(f"event log: {runs['guarded']['guard']['log']}\nsummary: {os.path.join(out, 'summary.json')}")
-    report = _write_report(runs["guarded"]["guard"]["log"], say)
-    runs["guarded"]["report"] = report
     if report:
         say(f"report: {report}")
     return runs
