@@ -277,9 +277,11 @@ def test_hf_trainer_norm_pass_is_taken_over(tmp_path, monkeypatch, preset):
 
     plain = _hf_run(tmp_path / "a", [])
     counter = CountNorms(monkeypatch)
-    cb = GradGuardCallback(gg.GuardConfig.preset(preset, output={"console": False}))
+    # layer_metrics=False: no per-layer update ratios, whose parameter norms (logging steps only;
+    # logging_steps=1 here) would add passes over the weights, not over the gradients
+    cb = GradGuardCallback(gg.GuardConfig.preset(preset, output={"console": False}), layer_metrics=False)
     guarded = _hf_run(tmp_path / "b", [cb])
-    assert counter.calls == 5  # one pass per step: the Trainer's own norm pass does not run
+    assert counter.calls == 5  # one gradient pass per step: the Trainer's own norm pass does not run
     la = [h for h in plain.state.log_history if "loss" in h]
     lb = [h for h in guarded.state.log_history if "loss" in h]
     assert len(lb) == 5 and all("grad_norm" in h for h in lb)

@@ -523,8 +523,13 @@ def test_sharded_strategies_are_refused_at_attach_with_the_plain_loop_as_alterna
             fully_shard(self.model)
 
     cb = GradGuardCallback(cfg(tmp_path))
-    with pytest.raises(gg.UnsupportedSetupError, match=r"strategy=ModelParallelStrategy.*fully_shard") as err:
-        fit(Sharded(), [cb], tmp_path=tmp_path, steps=2, strategy=ModelParallelStrategy())
+    env = dict(os.environ)
+    try:
+        with pytest.raises(gg.UnsupportedSetupError, match=r"strategy=ModelParallelStrategy.*fully_shard") as err:
+            fit(Sharded(), [cb], tmp_path=tmp_path, steps=2, strategy=ModelParallelStrategy())
+    finally:
+        if torch.distributed.is_initialized():  # the strategy's one-process group: not left to later tests
+            torch.distributed.destroy_process_group()
+        os.environ.clear()  # nor its MASTER_PORT / WORLD_SIZE / RANK variables (a later child process
+        os.environ.update(env)  # would take them for a distributed launch)
     assert ENGINE_REFUSALS["fsdp"][1] in str(err.value)  # the same reason and fix as under every engine
-    if torch.distributed.is_initialized():  # the strategy's one-process group: not left to later tests
-        torch.distributed.destroy_process_group()

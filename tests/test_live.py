@@ -38,9 +38,11 @@ def wandb_offline(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
     monkeypatch.setenv("WANDB_PROJECT", "gradguard-test")
+    wandb.teardown()  # wandb keeps the settings (WANDB_DIR) of its first run in the process: start over
     yield wandb
     if wandb.run is not None:
         wandb.run.finish()
+    wandb.teardown()
 
 
 def jsonl(path: str) -> list[dict]:

@@ -130,8 +130,15 @@ def _read_wandb_run(tmp_path):
     asynchronously, so an incomplete file is read again for a few seconds."""
     import time
 
+    from google.protobuf.message import DecodeError
+
+    history: list = []
+    summary: dict = {}
     for _ in range(40):
-        history, summary = _read_wandb_once(tmp_path)
+        try:
+            history, summary = _read_wandb_once(tmp_path)
+        except (DecodeError, ValueError):  # a record still being written
+            history, summary = [], {}
         if history and summary:
             break
         time.sleep(0.5)
@@ -158,9 +165,11 @@ def wandb_offline(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    wandb.teardown()  # wandb keeps the settings (WANDB_DIR) of its first run in the process: start over
     yield wandb
     if wandb.run is not None:
         wandb.run.finish()
+    wandb.teardown()
 
 
 def test_wandb_sink_round_trip(wandb_offline, tmp_path):

@@ -29,6 +29,8 @@ def records(path: str):
             continue
         _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
         chunk = data[pos + 7:pos + 7 + n]
+        if len(chunk) < n:
+            return  # a record still being written: the caller reads the file again
         pos += 7 + n
         if kind == 0:
             pos += left - 7 - n
@@ -61,8 +63,14 @@ class Run:
 
 
 def _read_once(path: str) -> Run:
+    from google.protobuf.message import DecodeError
+
     run = Run(path)
-    for rec in records(path):
+    try:
+        recs = list(records(path))
+    except DecodeError:  # a record still being written: read again
+        return run
+    for rec in recs:
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             run.history.append({_key(i): json.loads(i.value_json) for i in rec.history.item})
