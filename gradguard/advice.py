@@ -11,11 +11,18 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["advise", "advise_from_records", "UNSTABLE_ACTIONS"]
+__all__ = ["advise", "advise_from_records", "UNSTABLE_ACTIONS", "ADVICE_ACTIONS", "ADVICE_LOG_SIZE"]
 
 UNSTABLE_ACTIONS = frozenset({"rollback", "lower_lr", "tighten_clip", "adam", "lower_layer_lr", "shrink_batch",
                               "skip_data", "halt"})
 """Actions that answer an instability (not a skip of one odd batch, not a stable-period relaxation)."""
+
+ADVICE_ACTIONS = UNSTABLE_ACTIONS | {"revert_lr"}
+"""The actions the advice reads; the guard's state keeps the latest of them (``action_log``), so a
+resumed run still advises from what happened before the resume."""
+
+#: How many of those actions the guard's state keeps.
+ADVICE_LOG_SIZE = 200
 
 
 def _num(v: Any) -> float | None:

@@ -26,7 +26,7 @@ from torch import nn
 from ._compat import scaler_found_inf, scaler_scale, set_scaler_scale
 from ._shard import sharding
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
-from .advice import advise
+from .advice import ADVICE_ACTIONS, ADVICE_LOG_SIZE, advise
 from .config import RUNG_ACTIONS, GuardConfig
 from .contract import CheckpointSource, Collective
 from .contract import collective as default_collective
@@ -870,7 +870,22 @@ class GuardCore:
             "grow_healthy": self._grow_healthy, "model_signature": model_signature(self.model),
             "checkpoints": self.checkpoint_tier.state_dict(),
             "config": self.config.to_dict(),  # compared on resume: gradguard.resume
+            "action_log": self._advice_log(),  # the advice of a resumed run still sees them
         }
+
+    def _advice_log(self) -> list[dict[str, Any]]:
+        kept = [a for a in self._action_log if a.get("name") in ADVICE_ACTIONS][-ADVICE_LOG_SIZE:]
+        return [_clean({"name": a["name"], "step": a.get("step"),
+                        "params": {k: v for k, v in (a.get("params") or {}).items()
+                                   if k not in ("skipped_indices", "preceding_indices")}}) for a in kept]
+
+    def set_engine_step(self, fn: Callable[[int], int]) -> None:
+        """For an engine whose loggers put a step at another x value (Lightning: the optimizer steps
+        before the batch): the event log's records carry ``engine_step = fn(step)`` next to
+        ``step``, so a JSONL record and the engine's logged row of the same batch can be matched."""
+        for sink in self.sinks:
+            if isinstance(sink, JSONLSink):
+                sink.step_fn = fn
 
     def start_at(self, step: int) -> None:
         """A fresh guard joining a run after update ``step`` (resumed without a saved guard state: the
@@ -919,6 +934,9 @@ class GuardCore:
         self._grow_healthy = int(state.get("grow_healthy", 0))
         if "checkpoints" in state:
             self.checkpoint_tier.load_state_dict(state["checkpoints"])
+        self._action_log = deque((dict(a) for a in state.get("action_log") or []
+                                  if isinstance(a, dict) and isinstance(a.get("name"), str)),
+                                 maxlen=self._action_log.maxlen)
 
 
 class Guard(GuardCore):

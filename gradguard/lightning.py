@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ._compat import check_features, pl_saving_checkpoint_path, pl_should_update_logs, scaler_scale
+from ._compat import check_features, pl_log_step, pl_saving_checkpoint_path, pl_should_update_logs, scaler_scale
 from ._lightning.checkpoints import ModelCheckpointFiles
 from ._lightning.clip import ClipTakeover
 from ._lightning.loader import TrainerLoader
@@ -257,6 +257,7 @@ class _GradGuardMixin:
         self.core = GuardCore(pl_module, opt, config=cfg, sinks=sinks, out_dir=out_dir, layer_fn=self.layer_fn,
                               scheduler=sched, scaler=self.scaler)
         self.core.attach_data_skip(self._skip_data)
+        self.core.set_engine_step(lambda _step: pl_log_step(trainer))  # the x of the user's self.log rows
         self.core.ratio_due = lambda _step: self._engine_logs(trainer) is True
         write = console_writer(trainer)
         if write is not None:

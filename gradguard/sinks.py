@@ -152,6 +152,10 @@ class JSONLSink(Sink):
     def __init__(self, path: str, metrics: bool = True) -> None:
         self.path = path
         self.metrics = metrics
+        #: an engine whose logger x axis differs from the guard's step (Lightning logs a batch at the
+        #: optimizer steps before it) sets this: records then carry ``engine_step``, the x value the
+        #: engine's loggers use for that step
+        self.step_fn: Any = None
         self.error: str | None = None
         self._on_error: Any = None
         self._pending: list[dict[str, Any]] = []
@@ -228,10 +232,19 @@ class JSONLSink(Sink):
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if self.metrics:
-            self._write({"type": "metrics", "step": step, **metrics})
+            self._write(self._with_engine_step({"type": "metrics", "step": step, **metrics}))
 
     def log_event(self, event: dict[str, Any]) -> None:
-        self._write(event)
+        self._write(self._with_engine_step(event))
+
+    def _with_engine_step(self, record: dict[str, Any]) -> dict[str, Any]:
+        step = record.get("step")
+        if self.step_fn is None or not isinstance(step, int) or record.get("type") == "start":
+            return record
+        try:
+            return {**record, "engine_step": int(self.step_fn(step))}
+        except Exception:  # noqa: BLE001  (the log never fails over an engine's step)
+            return record
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         if summary is not None:

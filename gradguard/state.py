@@ -29,7 +29,8 @@ _CORE_FIELDS: dict[str, Any] = {
     "clip": dict, "lr": dict, "adam": dict, "snapshots": (dict, type(None)),
 }
 #: Entries that older states may lack (filled with their defaults on load).
-_OPTIONAL = {"grow_healthy": int, "model_signature": str, "checkpoints": list, "config": dict}
+_OPTIONAL = {"grow_healthy": int, "model_signature": str, "checkpoints": list, "config": dict,
+             "action_log": list}
 #: The snapshot ring's saved counter; states of earlier versions also carry its per-process costs.
 SNAPSHOT_FIELDS: dict[str, Any] = {"restored": int}
 SNAPSHOT_OPTIONAL: dict[str, Any] = {"taken": int, "total_seconds": (int, float)}

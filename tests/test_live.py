@@ -258,8 +258,15 @@ def test_lightning_wandb_rows_share_the_users_step_and_events_land_between_loggi
         names = {k.rsplit("/", 1)[1] for k in row if k.startswith(M.EVENT + "/")}
         if names:
             got.setdefault(row[x], set()).update(names)
-    # Lightning's x for a batch is the number of optimizer steps before it: the JSONL step - 1
+    # Lightning's x for a batch is the number of optimizer steps before it: the JSONL step - 1,
+    # which every JSONL record carries as engine_step (the row of the same batch in the loggers)
     assert got == {s - 1: names for s, names in want.items()}
+    stepped = [r for r in records if isinstance(r.get("step"), int) and r["type"] != "start"]
+    assert stepped and all(r["engine_step"] == r["step"] - 1 for r in stepped)
+    jsonl_rows = {r["engine_step"]: r[M.LOSS] for r in records if r["type"] == "metrics" and M.LOSS in r}
+    for step, loss in user.items():  # the JSONL row and the logger row of one batch: one x value
+        if step in jsonl_rows:
+            assert jsonl_rows[step] == pytest.approx(loss, rel=1e-5)
     assert any((s - 1) % 5 != 4 for s in want)  # event rows between logging steps
     # LearningRateMonitor shows the scheduler's LR; the applied one sits next to it on the same x
     sched = {r[x]: r["lr-AdamW"] for r in run.history if "lr-AdamW" in r}

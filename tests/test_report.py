@@ -156,3 +156,26 @@ def test_the_console_summary_prints_the_advice_only_when_there_is_some():
     quiet = io.StringIO()
     ConsoleSink(stream=quiet).close({"steps": 5, "advice": advise(actions=[], summary={"steps": 5})})
     assert len(quiet.getvalue().splitlines()) == 1
+
+
+def test_the_advice_of_a_resumed_run_still_sees_the_actions_before_the_resume(tmp_path):
+    """The guard's state keeps the actions the advice reads (``action_log``): a guard restored from
+    it advises what the uninterrupted one does."""
+    import gradguard as gg
+    from gradguard.data import BatchController
+
+    from .engines import BS, Data, Net, cfg, make_opt, run_plain
+
+    c = cfg(tmp_path, recovery={"snapshot_interval": 2, "confirm_steps": 1})
+    rec = run_plain(tmp_path, c, steps=8, faults={4: 50.0, 5: 50.0}, save_at=6)
+    state = json.loads(json.dumps(rec.saved_state))  # JSON-safe, as checkpoints hold it
+    assert {"rollback", "lower_lr"} <= {a["name"] for a in state["action_log"]}
+    assert all(set(a) == {"name", "step", "params"} for a in state["action_log"])
+    want = rec.core.summary()["advice"]["settings"]
+    assert want.get("lr_factor") is not None and want["lr_factor"] < 1
+    net = Net()
+    fresh = gg.Guard(net, make_opt(net.parameters(), "adamw"), config=c,  # the same optimizer settings
+                     batches=BatchController(Data(), BS, shuffle=False))
+    fresh.load_state_dict(state)
+    assert fresh.summary()["advice"]["settings"] == want
+    fresh.close()
