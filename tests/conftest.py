@@ -56,3 +56,19 @@ def quiet_cfg(tmp_path):
         return gg.GuardConfig.preset(preset, **over)
 
     return make
+
+
+@pytest.fixture
+def wandb_offline(monkeypatch, tmp_path):
+    """W&B in offline mode writing under the test's tmp_path (read back with tests/wandb_log.py)."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    monkeypatch.setenv("WANDB_PROJECT", "gradguard-test")
+    wandb.teardown()  # wandb keeps the settings (WANDB_DIR) of its first run in the process: start over
+    yield wandb
+    if wandb.run is not None:
+        wandb.run.finish()
+    wandb.teardown()

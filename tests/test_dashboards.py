@@ -17,7 +17,7 @@ from gradguard.dashboards import EVENT_POINTS, panels, tensorboard_layout
 from gradguard.sinks import M
 
 from .conftest import TinyNet, make_batch
-from .test_sinks import _read_wandb_once, wandb_offline  # noqa: F401  (fixture)
+from .test_sinks import _read_wandb_once
 
 FIXED = {v for k, v in vars(M).items() if k.isupper() and isinstance(v, str)}
 FAMILIES = (M.GRAD_NORM_LAYER, M.PARAM_NORM_LAYER, M.UPDATE_RATIO_LAYER, M.LR, M.LR_SCHEDULED, M.ACTION, M.EVENT)
@@ -94,7 +94,7 @@ def _check_against(keys: set[str], panel_list) -> None:
             assert any(re.search(panel.regex, k) for k in keys), (panel.title, panel.regex)
 
 
-def test_the_dashboards_match_a_real_runs_keys_in_wandb_and_tensorboard(wandb_offline, tmp_path):  # noqa: F811
+def test_the_dashboards_match_a_real_runs_keys_in_wandb_and_tensorboard(wandb_offline, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 

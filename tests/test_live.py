@@ -30,19 +30,6 @@ from .wandb_log import read_runs
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def wandb_offline(monkeypatch, tmp_path):
-    wandb = pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
-    monkeypatch.setenv("WANDB_PROJECT", "gradguard-test")
-    wandb.teardown()  # wandb keeps the settings (WANDB_DIR) of its first run in the process: start over
-    yield wandb
-    if wandb.run is not None:
-        wandb.run.finish()
-    wandb.teardown()
 
 
 def jsonl(path: str) -> list[dict]:

@@ -3,7 +3,6 @@
 import glob
 import json
 import math
-import struct
 import sys
 from collections import OrderedDict
 
@@ -13,6 +12,8 @@ from torch import nn
 
 import gradguard as gg
 from gradguard.sinks import M
+
+from .wandb_log import _key, records
 
 NAN_STEPS = (12, 13, 14)  # a 3-step non-finite streak: skips, then actions (rollback, lower_lr...)
 NAN_STEP = NAN_STEPS[-1]
@@ -89,40 +90,6 @@ def test_tensorboard_sink_missing_dependency(monkeypatch, tmp_path):
 
 # -- W&B (offline) ---------------------------------------------------------------------------
 
-def _wandb_records(path):
-    """The records of a W&B ``.wandb`` transaction log: LevelDB-log framing (7-byte file header
-    ``:W&B`` + magic + version; 32 KiB blocks of chunks ``<crc32 u32, length u16, type u8>``,
-    type 1 full, 2 first, 3 middle, 4 last) around ``wandb_internal_pb2.Record`` protobufs.
-    wandb 0.31's Python package no longer ships a reader (its ``DataStore`` moved into the Go core)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = open(path, "rb").read()
-    ident, magic, version = struct.unpack("<4sHB", data[:7])
-    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0)
-    block, pos, buf = 32768, 7, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:  # zero-padded block tail
-            pos += left
-            continue
-        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + n]
-        pos += 7 + n
-        if kind == 0:
-            pos += left - 7 - n
-            continue
-        if kind in (1, 2):
-            buf = chunk
-        else:
-            buf += chunk
-        if kind in (1, 4):
-            rec = pb.Record()
-            rec.ParseFromString(buf)
-            yield rec
-
-
-def _key(item):
-    return item.key or ".".join(item.nested_key)
 
 
 def _read_wandb_run(tmp_path):
@@ -148,7 +115,7 @@ def _read_wandb_run(tmp_path):
 def _read_wandb_once(tmp_path):
     (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     history, summary = [], {}
-    for rec in _wandb_records(path):
+    for rec in records(path):
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             row = {_key(i): json.loads(i.value_json) for i in rec.history.item}
@@ -158,18 +125,6 @@ def _read_wandb_once(tmp_path):
     return history, summary
 
 
-@pytest.fixture
-def wandb_offline(monkeypatch, tmp_path):
-    wandb = pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
-    wandb.teardown()  # wandb keeps the settings (WANDB_DIR) of its first run in the process: start over
-    yield wandb
-    if wandb.run is not None:
-        wandb.run.finish()
-    wandb.teardown()
 
 
 def test_wandb_sink_round_trip(wandb_offline, tmp_path):
