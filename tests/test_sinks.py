@@ -13,7 +13,7 @@ from torch import nn
 import gradguard as gg
 from gradguard.sinks import M
 
-from .wandb_log import _key, records
+from .wandb_log import records
 
 NAN_STEPS = (12, 13, 14)  # a 3-step non-finite streak: skips, then actions (rollback, lower_lr...)
 NAN_STEP = NAN_STEPS[-1]
@@ -90,6 +90,10 @@ def test_tensorboard_sink_missing_dependency(monkeypatch, tmp_path):
 
 # -- W&B (offline) ---------------------------------------------------------------------------
 
+
+
+def _key(item):
+    return item.key or ".".join(item.nested_key)  # nested summary keys as W&B shows them: a.b
 
 
 def _read_wandb_run(tmp_path):
