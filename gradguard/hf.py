@@ -22,9 +22,9 @@ How the Trainer's events map onto the core:
 * ``on_step_end``: ``core.after_step``; a halt sets ``should_training_stop`` and ``should_save``
   and writes ``diagnosis.json`` beside the event log; ``GradGuardHalt`` is raised after the save.
 * ``on_log``: the run-level ``gradguard/...`` metrics are added to the Trainer's logs (the callback
-  moves itself ahead of the reporting integrations so that they receive them); the per-layer ones
-  go straight to the ``report_to`` W&B run / TensorBoard writer at the same ``train/global_step``
-  (kept out of the printed logs). ``gradguard/loss`` is the mean guard loss of the logging window,
+  moves itself ahead of the reporting integrations so that they receive them); so are the
+  per-layer ones, which every integration receives (W&B, TensorBoard, MLflow, ...) and a filter
+  placed right before the progress bar removes from the printed line. ``gradguard/loss`` is the mean guard loss of the logging window,
   non-finite values included (the Trainer's ``logging_nan_inf_filter`` hides them from ``loss``).
 * a step with a finding, skip, action or halt that is not a logging step is written into the
   ``report_to`` W&B run / TensorBoard writer at that step (``gradguard/event/<name>`` points);
@@ -63,7 +63,7 @@ from ._compat import (
     unshadow_method,
 )
 from ._hf.checkpoints import STATE_FILE, TrainerCheckpoints, find_resume_state, write_state_file
-from ._hf.live import bind_integrations, is_logging_step
+from ._hf.live import bind_integrations, is_logging_step, layer_keys_out_of_print
 from ._hf.loader import TrainerLoader
 from ._hf.setup import log_entries, tensorboard_dir, unsupported
 from ._hf.steps import StepRunner
@@ -201,6 +201,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         cbs.remove(self)
         pos = next((i + 1 for i, c in enumerate(cbs) if isinstance(c, DefaultFlowCallback)), 0)
         cbs.insert(pos, self)
+        layer_keys_out_of_print(cbs)
         self._ordered = True
 
     def _validate(self, args: Any, optimizer: Any) -> bool:
@@ -461,8 +462,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         m = log_entries(row, window, True, NONFINITE_LOSS_STEPS)
         head = {k: v for k, v in m.items() if is_headline(k)}
         logs.update(head)  # what the Trainer prints and hands to every report_to integration
-        if self.layer_metrics:  # per-layer values: only to the W&B run / TensorBoard writer, same step
-            core.send_live(state.global_step, {k: v for k, v in m.items() if not is_headline(k)})
+        if self.layer_metrics:  # per-layer values: to every report_to integration, not printed
+            logs.update({k: v for k, v in m.items() if not is_headline(k)})
         hist = getattr(state, "log_history", None)
         if hist and hist[-1].get("step") == state.global_step and "loss" in hist[-1]:
             hist[-1].update(head)

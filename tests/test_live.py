@@ -142,18 +142,32 @@ def test_hf_wandb_and_tensorboard_show_every_event_at_its_step(wandb_offline, tm
     assert entry.step == 31 and b"rollback" in entry.tensor_proto.string_val[0]
 
 
-def test_hf_logging_steps_carry_layer_values_to_report_to_not_to_the_printed_logs(tmp_path, monkeypatch):
+def test_hf_logging_steps_carry_layer_values_to_report_to_not_to_the_printed_logs(tmp_path, monkeypatch, capsys):
     """On logging steps the run-level keys go through the Trainer's logs (printed, in log_history);
-    per-layer grad norms, update ratios and weight norms reach the TensorBoard writer at the same
-    step, and the served TensorBoard shows them."""
+    per-layer grad norms, update ratios and weight norms reach every ``report_to`` integration at
+    the same step (TensorBoard, and MLflow when installed: not only the ones gradguard knows), the
+    served TensorBoard shows them, and the printed lines do not carry them."""
     from gradguard.hf import GradGuardCallback
     from tests.test_hf import cfg, inject, make_trainer
 
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    report_to = ["tensorboard"]
+    try:
+        import mlflow  # noqa: F401  (the [dev] extra installs mlflow-skinny)
+    except ImportError:
+        mlflow = None
+    if mlflow is not None:  # a local file store, no server
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+        monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "gradguard-test")
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        report_to.append("mlflow")
     cb = GradGuardCallback(cfg(tmp_path))
-    trainer = make_trainer(tmp_path, [cb], steps=25, logging_steps=10, report_to=["tensorboard"])
+    trainer = make_trainer(tmp_path, [cb], steps=25, logging_steps=10, report_to=report_to)
     inject(trainer, {13: float("nan")})
     trainer.train()
+    printed = [line for line in capsys.readouterr().out.splitlines() if "'loss'" in line]
+    assert len(printed) == 2 and all(M.GRAD_NORM in line for line in printed), printed  # PrinterCallback's dicts
+    assert not any(M.GRAD_NORM_LAYER + "/transformer" in line or M.UPDATE_RATIO_LAYER in line for line in printed)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["step"] for h in logs] == [10, 20]
     for h in logs:  # the applied LR next to the scheduler's: learning_rate x the multiplier
@@ -176,6 +190,18 @@ def test_hf_logging_steps_carry_layer_values_to_report_to_not_to_the_printed_log
     assert sorted(e.step for e in acc.Scalars(layer)) == [10, 13, 20]  # logging steps + the event step
     assert sorted(e.step for e in acc.Scalars("train/gradguard/event/skip")) == [13]
     assert sorted(e.step for e in acc.Scalars("train/loss")) == [10, 20]  # the Trainer's own rows, unchanged
+
+    if mlflow is not None:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+        exp = client.get_experiment_by_name("gradguard-test")
+        (run,) = client.search_runs([exp.experiment_id])
+        keys = set(run.data.metrics)
+        per_layer = sorted(k for k in keys if k.startswith(M.GRAD_NORM_LAYER + "/transformer"))
+        assert per_layer and any(k.startswith(M.UPDATE_RATIO_LAYER + "/") for k in keys), sorted(keys)[:20]
+        assert [m.step for m in client.get_metric_history(run.info.run_id, per_layer[0])] == [10, 20]
+        assert [m.step for m in client.get_metric_history(run.info.run_id, M.LOSS)] == [10, 20]
 
     exe = shutil.which("tensorboard")
     if exe is None:

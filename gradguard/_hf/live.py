@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sinks import Sink, TensorBoardSink, WandbSink
+from ..sinks import Sink, TensorBoardSink, WandbSink, is_headline
 
-__all__ = ["PREFIX", "STEP_KEY", "bind_integrations", "is_logging_step"]
+__all__ = ["PREFIX", "STEP_KEY", "bind_integrations", "is_logging_step", "layer_keys_out_of_print"]
 
 PREFIX = "train/"  # transformers' rewrite_logs
 STEP_KEY = "train/global_step"  # the x axis WandbCallback defines
@@ -55,3 +55,34 @@ def is_logging_step(args: Any, state: Any, step: int) -> bool:
     if step == 1 and getattr(args, "logging_first_step", False):
         return True
     return every > 0 and step % every == 0
+
+
+# The callbacks that print ``logs`` (progress bar, plain printer, notebook table).
+_PRINTERS = ("ProgressCallback", "PrinterCallback", "NotebookProgressCallback")
+
+
+def _is_layer_key(key: str) -> bool:
+    return key.startswith("gradguard/") and not is_headline(key)
+
+
+def layer_keys_out_of_print(callbacks: list[Any]) -> None:
+    """Per-layer ``gradguard/...`` values go into the Trainer's ``logs`` so that every
+    ``report_to`` integration receives them (W&B, TensorBoard, MLflow, Comet, ...); this puts a
+    filter right before the first callback that prints ``logs`` (the progress bar), which removes
+    them there: the printed line keeps only the run-level keys. Idempotent."""
+    from transformers.trainer_callback import TrainerCallback
+
+    if any(type(cb).__name__ == "_LayerKeysOutOfPrint" for cb in callbacks):
+        return
+    pos = next((i for i, cb in enumerate(callbacks) if type(cb).__name__ in _PRINTERS), None)
+    if pos is None:
+        return  # nothing prints the logs
+
+    class _LayerKeysOutOfPrint(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+                   **kwargs: Any) -> None:
+            if logs:
+                for key in [k for k in logs if _is_layer_key(k)]:
+                    del logs[key]
+
+    callbacks.insert(pos, _LayerKeysOutOfPrint())
