@@ -74,6 +74,9 @@ def write_wandb_files() -> None:
         fh.write("\n")
     rows = ["| section | panel | metrics | y axis |", "|---|---|---|---|"]
     for pn in panels():
+        if pn.table:
+            rows.append(f"| {pn.section} | {pn.title} | table `{pn.table}` (scatter: step, loss) | linear |")
+            continue
         what = f"regex `{pn.regex}`" if pn.regex else ", ".join(f"`{n}`" for n in pn.y)
         rows.append(f"| {pn.section} | {pn.title} | {what} | {'log' if pn.log_y else 'linear'} |")
     with open(os.path.join(wdir, "panels.md"), "w", encoding="utf-8") as fh:

@@ -25,13 +25,16 @@ EVENT_POINTS = ("skip", "rollback", "lower_lr", "tighten_clip", "adam", "lower_l
 
 @dataclass
 class Panel:
-    """One chart: literal metric names (``y``) or a regular expression over metric names (``regex``)."""
+    """One chart: literal metric names (``y``) or a regular expression over metric names (``regex``)
+    drawn as lines; or (``table``) a logged W&B table drawn as separate points (W&B only)."""
 
     section: str
     title: str
     y: list[str] = field(default_factory=list)
     regex: str | None = None
     log_y: bool = False
+    table: str | None = None
+    """A W&B table key: the panel is a scatter chart of its ``step`` and ``loss`` columns."""
 
     def names(self) -> list[str]:
         return list(self.y)
@@ -56,7 +59,8 @@ def panels(prefix: str = "") -> list[Panel]:
         Panel(main, "overflows, skipped steps, findings", [p + M.OVERFLOW, p + M.SKIPPED, p + M.FINDINGS]),
         Panel(main, "ladder level", [p + M.LEVEL]),
         Panel(main, "actions over time (cumulative)", regex=_rx(p, M.ACTION)),
-        Panel(main, "every event (points)", regex=_rx(p, M.EVENT)),
+        Panel(main, "every event (one series per name)", regex=_rx(p, M.EVENT)),
+        Panel(main, "gradguard's events as points (W&B)", table=p + M.EVENT_POINTS + "_table"),
         Panel(layers, "per-layer grad norm", regex=_rx(p, M.GRAD_NORM_LAYER), log_y=True),
         Panel(layers, "per-layer update/weight ratio", regex=_rx(p, M.UPDATE_RATIO_LAYER), log_y=True),
         Panel(layers, "per-layer parameter norm", regex=_rx(p, M.PARAM_NORM_LAYER), log_y=True),
@@ -68,6 +72,8 @@ def tensorboard_layout(prefix: str = "") -> dict[str, dict[str, list[Any]]]:
     one multiline chart per panel (TensorBoard treats every tag as a regular expression)."""
     out: dict[str, dict[str, list[Any]]] = {}
     for panel in panels(prefix):
+        if panel.table:
+            continue  # a W&B table: TensorBoard has the event tags in "every event (one series per name)"
         tags = [panel.regex] if panel.regex else ["^" + re.escape(n) + "$" for n in panel.y]
         out.setdefault(panel.section, {})[panel.title] = ["Multiline", tags]
     return out
@@ -88,6 +94,11 @@ def wandb_workspace(entity: str, project: str, prefix: str = "", name: str = WOR
     ws, wr = _workspaces()
     sections: dict[str, list[Any]] = {}
     for panel in panels(prefix):
+        if panel.table:  # W&B's scatter preset over the table WandbSink logs (M.EVENT_POINTS)
+            sections.setdefault(panel.section, []).append(wr.CustomChart(
+                query={"summaryTable": {"tableKey": panel.table}}, chart_name="wandb/scatter/v0",
+                chart_fields={"x": "step", "y": "loss"}, chart_strings={"title": panel.title}))
+            continue
         kw: dict[str, Any] = {"title": panel.title, "log_y": panel.log_y}
         if panel.regex:
             kw["metric_regex"] = panel.regex

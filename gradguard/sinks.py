@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from typing import Any, TextIO
 
 from . import _io, logdir
@@ -66,6 +67,7 @@ class M:
     LEVEL = "gradguard/ladder_level"
     EVENT = "gradguard/event"  # + /<finding kind, action name, skip or halt>: the step's loss (a point on the loss curve)
     ALERTS_TEXT = "gradguard/alerts"  # TensorBoard text tag of the alerts
+    EVENT_POINTS = "gradguard/event_points"  # W&B: the events as a scatter chart (its table: + "_table")
 
 
 def is_headline(key: str) -> bool:
@@ -481,6 +483,12 @@ class WandbSink(Sink):
 
     TABLE_KEY = "gradguard/actions"
     COLUMNS = ["step", "name", "reason", "params"]
+    #: the events as separate points (a scatter chart over a ``step, loss, event`` table): W&B line
+    #: plots join the sparse ``gradguard/event/<name>`` values into lines, a scatter chart does not.
+    #: Logged with the row of a step with events, at most every ``POINTS_EVERY_S`` seconds, and at close.
+    POINT_COLUMNS = ["step", "loss", "event"]
+    POINTS_EVERY_S = 30.0
+    MAX_POINTS = 5000
     #: key prefixes (below the engine's prefix) whose run summary is the peak: norms, the scale, the
     #: ladder level, and the cumulative action counts (their peak is the count)
     PEAKS = ("gradguard/grad_norm/", "gradguard/loss_scale", "gradguard/ladder_level", "gradguard/action/",
@@ -509,6 +517,9 @@ class WandbSink(Sink):
         self._closed = False
         self._defined: set[str] = set()
         self._define_failed = False
+        self._points: list[list[Any]] = []
+        self._points_logged = 0  # len(self._points) when the chart was last logged
+        self._points_at: float | None = None  # time.monotonic() of that
 
     def bind(self, run: Any, *, step_key: str, prefix: str = "", step_fn: Any = None) -> WandbSink:
         """Write into an engine's run on its x axis: every row gets ``{step_key: engine step}``
@@ -549,8 +560,10 @@ class WandbSink(Sink):
         row = {k: v for k, v in rename(metrics, self.prefix).items()
                if not (isinstance(v, float) and not math.isfinite(v))}
         self._define(row)
+        x = int(self.step_fn(step)) if self.step_key is not None and self.step_fn is not None else int(step)
+        self._add_points(x, metrics, row)
         if self.step_key is not None:
-            row[self.step_key] = int(self.step_fn(step)) if self.step_fn is not None else int(step)
+            row[self.step_key] = x
             self.run.log(row)
             return
         if self._last_step is not None and step < self._last_step:
@@ -558,6 +571,32 @@ class WandbSink(Sink):
             return
         self.run.log(row, step=step)
         self._last_step = step
+
+    def _add_points(self, x: int, metrics: dict[str, float], row: dict[str, Any]) -> None:
+        """Collect the step's event points; put the scatter chart into ``row`` when due."""
+        start = M.EVENT + "/"
+        for key, value in metrics.items():
+            if key.startswith(start):
+                self._points.append([x, float(value), key[len(start):]])
+        if len(self._points) > self.MAX_POINTS:
+            drop = len(self._points) - self.MAX_POINTS
+            del self._points[:drop]
+            self._points_logged = max(0, self._points_logged - drop)
+        now = time.monotonic()
+        due = self._points_at is None or now - self._points_at >= self.POINTS_EVERY_S
+        if len(self._points) > self._points_logged and due:
+            chart = self._points_chart()
+            if chart is not None:
+                row[self.prefix + M.EVENT_POINTS] = chart
+            self._points_logged, self._points_at = len(self._points), now
+
+    def _points_chart(self) -> Any:
+        try:
+            table = self._wandb.Table(columns=list(self.POINT_COLUMNS), data=[list(p) for p in self._points])
+            return self._wandb.plot.scatter(table, "step", "loss", title="gradguard: events on the loss")
+        except Exception as exc:  # noqa: BLE001 - a chart never stops training
+            warn(f"gradguard: the wandb event chart failed ({exc})", stacklevel=4)
+            return None
 
     def log_alert(self, level: str, title: str, text: str, step: int) -> None:
         if self._closed:
@@ -584,6 +623,10 @@ class WandbSink(Sink):
         if self._rows:
             table = {self.TABLE_KEY: self._wandb.Table(columns=list(self.COLUMNS), data=self._rows)}
             self.run.log(table)
+        if len(self._points) > self._points_logged:
+            chart = self._points_chart()
+            if chart is not None:
+                self.run.log({self.prefix + M.EVENT_POINTS: chart})
         if summary:
             for k, v in _flatten("gradguard/summary", summary, {}).items():
                 self.run.summary[k] = v

@@ -3,6 +3,7 @@ TensorBoard custom-scalars layout, both checked against the metric constants and
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -53,9 +54,17 @@ def test_the_workspace_spec_round_trips_through_wandb_workspaces(tmp_path):
     assert spec["entity"] == "me" and spec["view"]["project"] == "p"
     ws = wandb_workspace_load(spec["view"])  # what W&B would store, rebuilt by the library itself
     assert ws.entity == "me" and ws.name == "gradguard: training stability"
-    got = [(s.name, p.title, [m.name for m in p.y], p.metric_regex, bool(p.log_y)) for s in ws.sections for p in s.panels]
-    want = [(p.section, p.title, list(p.y), p.regex, p.log_y) for p in panels()]
+    def described(s, p):  # a line plot, or the scatter chart over the event-points table
+        if hasattr(p, "query"):
+            return (s.name, p.chart_strings["title"], p.query["summaryTable"]["tableKey"], p.chart_name,
+                    p.chart_fields)
+        return (s.name, p.title, [m.name for m in p.y], p.metric_regex, bool(p.log_y))
+
+    got = [described(s, p) for s in ws.sections for p in s.panels]
+    want = [(p.section, p.title, p.table, "wandb/scatter/v0", {"x": "step", "y": "loss"}) if p.table
+            else (p.section, p.title, list(p.y), p.regex, p.log_y) for p in panels()]
     assert got == want
+    assert any(p.table == M.EVENT_POINTS + "_table" for p in panels())
     assert [p["title"] for p in spec["panels"]] == [p.title for p in panels()]
 
 
@@ -86,6 +95,8 @@ def _real_run(tmp_path, sinks):
 def _check_against(keys: set[str], panel_list) -> None:
     assert keys, "the run logged nothing"
     for panel in panel_list:
+        if panel.table:
+            continue  # checked against the run's tables in the test below
         for name in panel.y:
             fired = not name.startswith(M.EVENT + "/") or name in keys
             if name not in NOT_IN_AN_FP32_RUN and fired:
@@ -109,9 +120,9 @@ def test_the_dashboards_match_a_real_runs_keys_in_wandb_and_tensorboard(wandb_of
         if any(k.startswith("gradguard/summary/") for k in wsummary):
             break
         time.sleep(0.5)
-    table = gg.WandbSink.TABLE_KEY  # the actions table (its summary entry has nested keys)
-    keys = {k for row in history for k in row if k.startswith("gradguard/") and not k.startswith(table)} | {
-        k for k in wsummary if k.startswith("gradguard/") and not k.startswith(("gradguard/summary/", table))}
+    tables = (gg.WandbSink.TABLE_KEY, M.EVENT_POINTS)  # the actions table, the event points (nested keys)
+    keys = {k for row in history for k in row if k.startswith("gradguard/") and not k.startswith(tables)} | {
+        k for k in wsummary if k.startswith("gradguard/") and not k.startswith(("gradguard/summary/",) + tables)}
     assert {f"{M.EVENT}/skip", f"{M.EVENT}/rollback", f"{M.EVENT}/lower_lr"} <= keys
     # the advice for the next run reaches the W&B summary
     assert wsummary["gradguard/summary/advice/settings/lr_factor"] == summary["advice"]["settings"]["lr_factor"]
@@ -121,6 +132,21 @@ def test_the_dashboards_match_a_real_runs_keys_in_wandb_and_tensorboard(wandb_of
     rows = {r["_step"]: r for r in history if "_step" in r}
     (rb_step,) = [s for s, r in rows.items() if f"{M.EVENT}/rollback" in r]
     assert rows[rb_step][f"{M.EVENT}/rollback"] == pytest.approx(rows[rb_step][M.LOSS])
+    # ... and they are also one table of separate points (W&B joins a sparse series into lines):
+    # logged at the first event's row, then at close, with every event of the run
+    charted = [r for r in history if f"{M.EVENT_POINTS}_table._type" in r]  # nested keys read as a.b
+    assert charted and charted[0]["_step"] == min(s for s, r in rows.items() if any(k.startswith(M.EVENT + "/")
+                                                                                      for k in r))
+    last = charted[-1][f"{M.EVENT_POINTS}_table.path"]
+    run_dir = os.path.dirname(glob.glob(str(tmp_path / "wandb" / "*" / "files"))[0])
+    with open(os.path.join(run_dir, "files", last), encoding="utf-8") as fh:
+        table_json = json.load(fh)
+    assert table_json["columns"] == ["step", "loss", "event"]
+    points = {(s, e) for s, _, e in table_json["data"]}
+    want_points = {(s, k[len(M.EVENT) + 1:]) for s, r in rows.items() for k in r if k.startswith(M.EVENT + "/")}
+    assert points == want_points
+    for s, y, e in table_json["data"]:
+        assert y == pytest.approx(rows[s][f"{M.EVENT}/{e}"])
 
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
