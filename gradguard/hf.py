@@ -44,52 +44,27 @@ How the Trainer's events map onto the core:
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
-import os
 from typing import Any
 
-import torch
-
-from ._compat import (
-    HF_NORM_METHOD,
-    check_features,
-    find_caller,
-    hf_callback_being_restored,
-    hf_callback_list,
-    hf_norm_pass_plain,
-    shadow_method,
-    unshadow_method,
-)
-from ._hf.checkpoints import STATE_FILE, TrainerCheckpoints, find_resume_state, write_state_file
-from ._hf.live import bind_integrations, is_logging_step, layer_keys_out_of_print
+from ._compat import check_features, find_caller, hf_callback_being_restored
+from ._hf import state as hf_state
+from ._hf.checkpoints import STATE_FILE, TrainerCheckpoints
+from ._hf.live import add_to_logs, bind_integrations, is_logging_step, move_ahead_of_reporters
 from ._hf.loader import TrainerLoader
-from ._hf.setup import log_entries, tensorboard_dir, unsupported
+from ._hf.norm import StepDecision
+from ._hf.setup import effective_config, event_log_dir, validate
 from ._hf.steps import StepRunner
-from .act import drop_grads, unwrap_optimizer
-from .adapter import (
-    HaltLatch,
-    SchedulerHold,
-    check_ladder,
-    halt_raises,
-    may_wrap,
-    refuse_unsupported,
-    resolve_clip,
-    unusable_resume_state,
-)
+from .act import unwrap_optimizer
+from .adapter import HaltLatch, SchedulerHold, halt_raises, may_wrap
 from .config import GuardConfig
 from .errors import StateError
 from .guard import GuardCore, StepReport
-from .logdir import choose_log_dir
-from .measure import EngineClip
-from .policy import Action
-from .sinks import M, Sink, is_headline
+from .sinks import M, Sink
 
 try:
     from transformers import TrainerCallback
     from transformers.trainer_callback import ExportableState
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as exc:  # pragma: no cover - only without the extra
     raise ImportError("gradguard.hf needs transformers: pip install 'gradguard[hf]'") from exc
 
@@ -97,8 +72,6 @@ __all__ = ["GradGuardCallback", "STATE_FILE", "NONFINITE_LOSS_STEPS"]
 
 #: Steps with a non-finite loss in the logging window (added to the Trainer's logs).
 NONFINITE_LOSS_STEPS = M.NONFINITE_LOSS_STEPS
-
-_HF_DEFAULT_MAX_GRAD_NORM = 1.0
 
 
 class GradGuardCallback(TrainerCallback, ExportableState):
@@ -140,7 +113,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             self._ordered = False
             return
         self._built = True
-        self.config = config = GuardConfig.coerce(config, "GradGuardCallback(config)")
+        self.config = GuardConfig.coerce(config, "GradGuardCallback(config)")
         self.user_sinks = list(sinks or [])
         self.out_dir = out_dir
         self.raise_on_halt = raise_on_halt
@@ -156,18 +129,13 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self._reset_run()
 
     def _reset_run(self) -> None:
-        self._hook = None
-        self._report: StepReport | None = None
-        self._held = SchedulerHold()
+        self._hook: Any = None
+        self.decision: StepDecision | None = None  # the run's step decisions (gradguard._hf.norm)
         self._user_max_grad_norm: float | None = None
-        self._replay_clip: float | None = None  # the Trainer's own clipping, re-applied when the guard does not clip
         self._window_losses: list[float] = []
         self._halt = HaltLatch(halt_raises(self.config, self.raise_on_halt))
         self._args: Any = None
         self._batches: TrainerLoader | None = None
-        self._decided = False  # this step's decision was taken in the Trainer's norm pass
-        self._norm_plain: bool | None = None  # the Trainer's norm pass can be taken over (first step)
-        self._norm_shadow: tuple[Any, Any, Any] | None = None  # (trainer, wrapper, previous)
         self._callbacks: list[Any] = []  # the Trainer's callback list (its report_to integrations)
         self._live_bound = False
 
@@ -186,68 +154,19 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if self.core is None:
             return None
         guard = self.core.max_grad_norm
-        return guard if guard is not None else self._replay_clip
-
-    def _move_ahead_of_reporters(self) -> None:
-        """User callbacks run after the reporting integrations; metrics added to ``logs`` in
-        ``on_log`` would miss them. Move this callback right after ``DefaultFlowCallback``."""
-        if self._ordered:
-            return
-        cbs = hf_callback_list(self)
-        if cbs is None:
-            return
-        from transformers.trainer_callback import DefaultFlowCallback
-
-        cbs.remove(self)
-        pos = next((i + 1 for i, c in enumerate(cbs) if isinstance(c, DefaultFlowCallback)), 0)
-        cbs.insert(pos, self)
-        layer_keys_out_of_print(cbs)
-        self._ordered = True
+        return guard if guard is not None or self.decision is None else self.decision.replay_clip
 
     def _validate(self, args: Any, optimizer: Any) -> bool:
-        check_ladder(self.config)
-        ok = refuse_unsupported(self.config, unsupported(args, optimizer))
-        if ok:
-            resolve_clip(self.config, args.max_grad_norm, engine_default=_HF_DEFAULT_MAX_GRAD_NORM,
-                         setting="TrainingArguments.max_grad_norm")
-        return ok
-
-    def _effective_config(self, args: Any) -> tuple[GuardConfig, float | None]:
-        """The user's config with the clip rule applied (``gradguard.adapter.resolve_clip``); one event
-        log per run (the main process writes it)."""
-        cfg, replay = resolve_clip(copy.deepcopy(self.config), args.max_grad_norm,
-                                   engine_default=_HF_DEFAULT_MAX_GRAD_NORM, setting="TrainingArguments.max_grad_norm")
-        if getattr(args, "process_index", 0) != 0:
-            cfg.output = dataclasses.replace(cfg.output, jsonl=False, console=False)
-        return cfg, replay
-
-    def _forward_hook(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        if not module.training or not torch.is_grad_enabled() or self.runner is None:
-            return
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, dict):
-            loss = output.get("loss")
-        if loss is None and isinstance(output, (tuple, list)) and output and kwargs.get("labels") is not None:
-            loss = output[0]
-        if isinstance(loss, torch.Tensor):
-            self.runner.losses.append(loss.detach().float().mean())
-            self.runner.sum_semantics = kwargs.get("num_items_in_batch") is not None
-
-    def _skip_data(self, action: Action) -> dict[str, Any]:
-        n = int(action.params.get("batches", 0))
-        assert self.runner is not None
-        self.runner.discard_left += n
-        return {"mode": "the batches of the next optimizer steps are drawn but not computed (no forward/backward)",
-                "optimizer_steps": n}
+        return validate(self.config, args, optimizer)
 
     # -- Trainer events --------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._move_ahead_of_reporters()
+        self._ordered = self._ordered or move_ahead_of_reporters(self)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, train_dataloader: Any = None, **kwargs: Any) -> None:
-        self._move_ahead_of_reporters()
-        self._ensure_state_entry(state)
+        self._ordered = self._ordered or move_ahead_of_reporters(self)
+        hf_state.ensure_state_entry(state, type(self).__name__, self.state)
         if self.core is not None:
             self._teardown()
         self._reset_run()
@@ -255,24 +174,19 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self.reports = []
         if not self._validate(args, optimizer):
             return  # monitor mode on an unsupported setup: stand aside
-        cfg, self._replay_clip = self._effective_config(args)
+        cfg, replay_clip = effective_config(self.config, args)
         self._user_max_grad_norm = args.max_grad_norm
         scaler = getattr(optimizer, "scaler", None)
-        out_dir = None
-        if cfg.output.jsonl:  # the main process: where the Trainer keeps its logs (gradguard.logdir)
-            out_dir = choose_log_dir(self.out_dir or cfg.output.dir, [tensorboard_dir(hf_callback_list(self), args)],
-                                     engine="HF Trainer", how_to_name="GradGuardCallback(out_dir=...)",
-                                     checkpoint_dirs=[args.output_dir], checkpoint_prefix=PREFIX_CHECKPOINT_DIR)
-            if out_dir is None:
-                cfg.output = dataclasses.replace(cfg.output, jsonl=False)
+        out_dir = event_log_dir(cfg, self.out_dir, self, args)
         opt = unwrap_optimizer(optimizer)
         self.core = core = GuardCore(model, opt, config=cfg, sinks=list(self.user_sinks), out_dir=out_dir,
                                      scheduler=lr_scheduler, scaler=scaler)
         check_features("hf")
-        self._scaler = scaler
         self._args = args
         self.runner = runner = StepRunner(core, args, list(model.parameters()))
-        core.attach_data_skip(self._skip_data)
+        self.decision = StepDecision(core, runner, scaler=scaler, replay_clip=replay_clip,
+                                     held=SchedulerHold([lr_scheduler]))
+        core.attach_data_skip(runner.skip_data)
         core.attach_checkpoints(TrainerCheckpoints(args.output_dir, model, opt, scaler=scaler, scheduler=lr_scheduler,
                                                    restore_schedule=cfg.recovery.restore_schedule))
         self._batches = TrainerLoader(train_dataloader, args.gradient_accumulation_steps, runner)
@@ -288,106 +202,25 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         core.ratio_due = lambda step: self.layer_metrics and is_logging_step(args, state, step)
         if trainer is not None and may_wrap(cfg):  # monitor mode changes nothing, OOM handling included
             runner.wrap(trainer)
-        if trainer is not None and hasattr(trainer, HF_NORM_METHOD):
-            orig_norm = getattr(trainer, HF_NORM_METHOD)
-
-            def norm_pass(model: Any) -> Any:
-                return self._engine_norm_pass(orig_norm, model)
-
-            self._norm_shadow = (trainer, norm_pass, shadow_method(trainer, HF_NORM_METHOD, norm_pass))
-        self._held = SchedulerHold([lr_scheduler])
-        self._hook = model.register_forward_hook(self._forward_hook, with_kwargs=True)
+        if trainer is not None:
+            self.decision.take_over(trainer)  # the Trainer's norm pass becomes the step's decision
+        self._hook = model.register_forward_hook(runner.forward_hook, with_kwargs=True)
         args.max_grad_norm = math.inf  # keep unscaling + measuring in the Trainer, never its clipping
 
-    def _ensure_state_entry(self, state: Any) -> None:
-        """A callback added when resuming has no entry in the checkpoint's ``stateful_callbacks``;
-        the Trainer's next save looks its name up there and fails (``KeyError``). Add the entry."""
-        entries = getattr(state, "stateful_callbacks", None)
-        if isinstance(entries, dict) and type(self).__name__ not in entries:
-            entries[type(self).__name__] = self.state()
-
     def _restore(self, args: Any, state: Any) -> None:
-        """The guard state of the checkpoint resumed from (see ``find_resume_state``). One that cannot
-        be used: ``StateError`` when acting (nothing changed yet), a warning in monitor mode."""
         assert self.core is not None and self.runner is not None
         resume, self._resume_state = self._resume_state, None
         try:
-            saved = find_resume_state(resume, args, state, type(self).__name__)
-            guard = saved.get("guard") if saved else None
-            if guard:
-                self.core.load_state_dict(guard)  # validated whole first: a StateError changed nothing
-        except StateError as exc:
-            try:
-                unusable_resume_state(self.config, exc)
-            except StateError:
-                self._teardown()
-                self.core = None
-                raise
-            saved = guard = None
-        if not guard:
-            self.core.start_at(state.global_step)
-            self.core.emit({"type": "resume", "step": state.global_step, "restored": False})
-            return
-        assert saved is not None
-        if "checkpoints" in saved and "checkpoints" not in guard:  # written by gradguard <= 0.1
-            self.core.checkpoint_tier.load_state_dict(saved["checkpoints"])
-        self.runner.load_state_dict(saved)
-        if self._batches is not None:
-            self._batches.load_state_dict(saved)
-        self.core.emit({"type": "resume", "step": state.global_step, "restored": True,
-                         "guard_step": self.core.step_count})
-
-    def _pre_step(self) -> StepReport | None:
-        """The step's decision (gradients accumulated and unscaled): ``core.before_step``, the
-        Trainer's own clip replayed when the guard does not clip. None for a step whose data was
-        skipped."""
-        core, runner = self.core, self.runner
-        assert core is not None and runner is not None
-        loss = runner.take_step_loss()
-        runner.micro_in_step = 0
-        if runner.discard_left > 0 or runner.poisoned:
-            # a data window skipped after a rollback, or a step broken by an out-of-memory error
-            if runner.poisoned:
-                runner.poisoned = False
-            else:
-                runner.discard_left -= 1
-            drop_grads(runner.params)
-            self._held.hold()
-            core.discard_step()
-            return None
-        replay = self._replay_clip
-        engine = EngineClip(runner.params, replay) if replay is not None else None
-        report = core.before_step(loss=loss, scaler=self._scaler, drop_on_skip=True, engine_clip=engine)
-        if report.applied and replay is not None and core.replay_engine_clip(report) is None:
-            report.engine_norm = float(torch.nn.utils.clip_grad_norm_(runner.params, replay))
-        if report.skipped:
-            self._held.hold()
-        return report
-
-    def _engine_norm_pass(self, orig: Any, model: Any) -> Any:
-        """The Trainer's ``_clip_grad_norm``, taken over: unscale (fp16), then the step's one pass over
-        the gradients in ``core.before_step`` (the guard's clip, or the Trainer's replayed bit for bit);
-        returns the total norm for the Trainer's ``grad_norm`` log."""
-        trainer = self.runner.trainer if self.runner is not None else None
-        if self._norm_plain is None and trainer is not None:
-            self._norm_plain = hf_norm_pass_plain(trainer, model)
-        if self.core is None or trainer is None or self._decided or not self._norm_plain:
-            return orig(model)
-        trainer.accelerator.unscale_gradients()
-        report = self._report = self._pre_step()
-        self._decided = True
-        if report is None:
-            return None  # no gradients this step: the Trainer logs no grad_norm for it
-        return report.engine_norm if report.engine_norm is not None else report.total_norm
+            hf_state.resume(self.core, self.runner, self._batches, self.config, resume, args, state, type(self).__name__)
+        except StateError:
+            self._teardown()
+            self.core = None
+            raise
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.core is None or self.runner is None:
+        if self.core is None or self.decision is None:
             return
-        if self._decided:  # the Trainer's norm pass was taken over: decided there
-            self._decided = False
-            report = self._report
-        else:
-            report = self._report = self._pre_step()
+        report = self.decision.decide()
         if report is not None and report.halt:
             self._halt.trip(report.diagnosis)
             self.diagnosis = self._halt.diagnosis
@@ -395,22 +228,23 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             control.should_save = True
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._decided = False  # a step interrupted earlier (an exception) never leaves its decision behind
+        if self.decision is not None:
+            self.decision.decided = False  # a step interrupted earlier (an exception) never leaves its decision behind
         if self.runner is not None:
             self.runner.micro_in_step = 0
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        core = self.core
-        if core is None or self.runner is None:
+        core, decision = self.core, self.decision
+        if core is None or self.runner is None or decision is None:
             return
         self._control = control
-        self._held.release()  # only the skipped step's scheduler.step() is swallowed
-        report, self._report = self._report, None
+        decision.held.release()  # only the skipped step's scheduler.step() is swallowed
+        report = decision.take_report()
         if not self._live_bound and getattr(state, "is_world_process_zero", True):
             self._live_bound = True  # the integrations set themselves up in their on_train_begin
             core.add_live_sinks(bind_integrations(self._callbacks, core.sinks))
         if report is not None:
-            core.keep_scale(report, self._scaler)  # the Trainer's scaler.update() may have halved it once more
+            core.keep_scale(report, decision.scaler)  # the Trainer's scaler.update() may have halved it once more
             if report.applied and report.loss is not None and math.isfinite(report.loss):
                 self.runner.last_step_loss = report.loss
             # DefaultFlowCallback (ahead of this callback) has decided whether this step is logged
@@ -424,31 +258,15 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             control.should_training_stop = True
             control.should_save = True
         if control.should_save:
-            args.max_grad_norm = self._saved_max_grad_norm()
+            args.max_grad_norm = hf_state.clip_on_save(self.max_grad_norm)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.core is not None and control.should_save:
-            args.max_grad_norm = self._saved_max_grad_norm()
-
-    def _saved_max_grad_norm(self) -> float:
-        """What checkpoints record as max_grad_norm: the clip in force (0 when none)."""
-        v = self.max_grad_norm
-        return 0.0 if v is None else float(v)
+            args.max_grad_norm = hf_state.clip_on_save(self.max_grad_norm)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        core = self.core
-        if core is None:
-            return
-        args.max_grad_norm = math.inf
-        step = state.global_step
-        core.checkpoint_saved(step, [os.path.join(args.output_dir, f"checkpoint-{step}")])  # on every process
-        if not getattr(args, "should_save", True):
-            return
-        ckpt = os.path.join(args.output_dir, f"checkpoint-{step}")
-        if os.path.isdir(ckpt):
-            write_state_file(ckpt, self._export())
-            if self.diagnosis is not None:
-                core.write_diagnosis(self.diagnosis, ckpt)
+        if self.core is not None:
+            hf_state.saved(self.core, args, state.global_step, self._export, self.diagnosis)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if self.core is None or logs is None or self.core.last_report is None:
@@ -456,17 +274,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if "loss" not in logs and "grad_norm" not in logs:
             return  # evaluation and end-of-training summaries
         window, self._window_losses = self._window_losses, []
-        core = self.core
-        row = core.pending_row if core.pending_row is not None else core.metrics(core.last_report)
-        core.pending_row = None
-        m = log_entries(row, window, True, NONFINITE_LOSS_STEPS)
-        head = {k: v for k, v in m.items() if is_headline(k)}
-        logs.update(head)  # what the Trainer prints and hands to every report_to integration
-        if self.layer_metrics:  # per-layer values: to every report_to integration, not printed
-            logs.update({k: v for k, v in m.items() if not is_headline(k)})
-        hist = getattr(state, "log_history", None)
-        if hist and hist[-1].get("step") == state.global_step and "loss" in hist[-1]:
-            hist[-1].update(head)
+        add_to_logs(self.core, state, logs, window, self.layer_metrics)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.core is None:
@@ -480,41 +288,26 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self._control = self._tstate = None
         if self.runner is not None:
             self.runner.unwrap()
-        if self._norm_shadow is not None:
-            unshadow_method(self._norm_shadow[0], HF_NORM_METHOD, self._norm_shadow[1], self._norm_shadow[2])
-            self._norm_shadow = None
+        if self.decision is not None:
+            self.decision.release()
+            self.decision.held.release()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self._held.release()
         if self.core is not None:
             self.summary = self.core.detach()
 
     # -- state -----------------------------------------------------------------------------
-    def _checkpoint_dir(self, step: int) -> str:
-        return os.path.join(self._args.output_dir, f"checkpoint-{step}")
-
-    def _saving_step(self) -> int | None:
-        """The step of the checkpoint the Trainer is writing now, else None. The Trainer serialises
-        its callbacks' ``state()`` into ``trainer_state.json`` before it calls ``on_save``."""
-        if self.core is None or self._tstate is None or self._control is None or not self._control.should_save:
-            return None
-        return int(self._tstate.global_step)
-
     def _export(self, saving: int | None = None) -> dict[str, Any]:
-        if self.core is None or self.runner is None:
-            return {}
-        b = self._batches
-        guard = (self.core.state_dict() if saving is None
-                 else self.core.checkpoint_state(saving, [self._checkpoint_dir(saving)]))
-        return {"guard": guard, **self.runner.state_dict(),
-                **(b.state_dict() if b is not None else {"batch_size": None, "base_batch_size": None})}
+        out_dir = self._args.output_dir if self._args is not None else None
+        return hf_state.export_state(self.core, self.runner, self._batches, out_dir, saving)
 
     def state(self) -> dict[str, Any]:
         """``ExportableState``: saved into ``trainer_state.json`` with every checkpoint. The guard state
         of a checkpoint lists that checkpoint in its rollback tier (as ``gradguard_state.json`` does),
         so a run resumed from it has the state of the run that wrote it. ``args`` rebuild the
         callback when there is no user instance to restore into (see ``__new__``)."""
+        saving = hf_state.saving_step(self._tstate, self._control) if self.core is not None else None
         return {"args": {"config": self.config.to_dict(), "raise_on_halt": self.raise_on_halt,
                          "layer_metrics": self.layer_metrics, "_from_checkpoint": True},
-                "attributes": {"_resume_state": self._export(self._saving_step()) or None}}
+                "attributes": {"_resume_state": self._export(saving) or None}}

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sinks import Sink, TensorBoardSink, WandbSink, is_headline
+from .._compat import hf_callback_list
+from ..sinks import M, Sink, TensorBoardSink, WandbSink, is_headline
+from .setup import log_entries
 
-__all__ = ["PREFIX", "STEP_KEY", "bind_integrations", "is_logging_step", "layer_keys_out_of_print"]
+__all__ = ["PREFIX", "STEP_KEY", "bind_integrations", "is_logging_step", "layer_keys_out_of_print",
+           "move_ahead_of_reporters", "add_to_logs"]
 
 PREFIX = "train/"  # transformers' rewrite_logs
 STEP_KEY = "train/global_step"  # the x axis WandbCallback defines
@@ -86,3 +89,36 @@ def layer_keys_out_of_print(callbacks: list[Any]) -> None:
                     del logs[key]
 
     callbacks.insert(pos, _LayerKeysOutOfPrint())
+
+
+def add_to_logs(core: Any, state: Any, logs: dict[str, Any], window: list[float], layer_metrics: bool) -> None:
+    """``on_log`` of a training log: the run-level ``gradguard/...`` metrics join ``logs`` (what the
+    Trainer prints and hands to every ``report_to`` integration) and its ``log_history`` entry; the
+    per-layer ones too (every integration receives them; :func:`layer_keys_out_of_print` keeps them
+    off the printed line). ``window``: the guard losses of the logging window."""
+    row = core.pending_row if core.pending_row is not None else core.metrics(core.last_report)
+    core.pending_row = None
+    m = log_entries(row, window, True, M.NONFINITE_LOSS_STEPS)
+    head = {k: v for k, v in m.items() if is_headline(k)}
+    logs.update(head)  # what the Trainer prints and hands to every report_to integration
+    if layer_metrics:  # per-layer values: to every report_to integration, not printed
+        logs.update({k: v for k, v in m.items() if not is_headline(k)})
+    hist = getattr(state, "log_history", None)
+    if hist and hist[-1].get("step") == state.global_step and "loss" in hist[-1]:
+        hist[-1].update(head)
+
+
+def move_ahead_of_reporters(callback: Any) -> bool:
+    """User callbacks run after the reporting integrations; metrics added to ``logs`` in ``on_log``
+    would miss them. Move ``callback`` right after ``DefaultFlowCallback`` (and keep the per-layer
+    keys off the printed line); False when its callback list is not found (on the call stack)."""
+    cbs = hf_callback_list(callback)
+    if cbs is None:
+        return False
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    cbs.remove(callback)
+    pos = next((i + 1 for i, c in enumerate(cbs) if isinstance(c, DefaultFlowCallback)), 0)
+    cbs.insert(pos, callback)
+    layer_keys_out_of_print(cbs)
+    return True

@@ -1,16 +1,61 @@
-"""What in a Trainer setup gradguard cannot guard, and the Trainer's log entries."""
+"""Setting up a run in the Trainer: what gradguard cannot guard, the clip rule, the event log's
+folder, the callback's place in the Trainer's callback list; and the Trainer's log entries."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import os
 from typing import Any
 
-from ..adapter import engine_refusal
+from .._compat import hf_callback_list
+from ..adapter import check_ladder, engine_refusal, refuse_unsupported, resolve_clip
+from ..config import GuardConfig
+from ..logdir import choose_log_dir
 
-__all__ = ["unsupported", "log_entries", "tensorboard_dir"]
+__all__ = ["unsupported", "validate", "effective_config", "event_log_dir", "log_entries", "tensorboard_dir"]
 
 _UNSKIPPABLE_OPTIMS = ("lomo", "adalomo")  # update inside backward: no optimizer step to skip
+HF_DEFAULT_MAX_GRAD_NORM = 1.0  # TrainingArguments.max_grad_norm's default
+_CLIP_SETTING = "TrainingArguments.max_grad_norm"
+
+
+def validate(config: GuardConfig, args: Any, optimizer: Any) -> bool:
+    """Whether gradguard guards this setup (False: monitor mode on an unsupported one, standing aside);
+    a config or setup it refuses raises at ``on_train_begin``."""
+    check_ladder(config)
+    ok = refuse_unsupported(config, unsupported(args, optimizer))
+    if ok:
+        resolve_clip(config, args.max_grad_norm, engine_default=HF_DEFAULT_MAX_GRAD_NORM, setting=_CLIP_SETTING)
+    return ok
+
+
+def effective_config(config: GuardConfig, args: Any) -> tuple[GuardConfig, float | None]:
+    """The user's config with the clip rule applied (``gradguard.adapter.resolve_clip``), and the
+    Trainer's clip to replay; one event log per run (the main process writes it)."""
+    cfg, replay = resolve_clip(copy.deepcopy(config), args.max_grad_norm, engine_default=HF_DEFAULT_MAX_GRAD_NORM,
+                               setting=_CLIP_SETTING)
+    if getattr(args, "process_index", 0) != 0:
+        cfg.output = dataclasses.replace(cfg.output, jsonl=False, console=False)
+    return cfg, replay
+
+
+def event_log_dir(cfg: GuardConfig, out_dir: str | None, callback: Any, args: Any) -> str | None:
+    """The event log's folder on the main process: where the Trainer keeps its logs
+    (:mod:`gradguard.logdir`); none found turns ``cfg.output.jsonl`` off."""
+    if not cfg.output.jsonl:
+        return None
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    found = choose_log_dir(out_dir or cfg.output.dir, [tensorboard_dir(hf_callback_list(callback), args)],
+                           engine="HF Trainer", how_to_name="GradGuardCallback(out_dir=...)",
+                           checkpoint_dirs=[args.output_dir], checkpoint_prefix=PREFIX_CHECKPOINT_DIR)
+    if found is None:
+        cfg.output = dataclasses.replace(cfg.output, jsonl=False)
+    return found
+
+
 def unsupported(args: Any, optimizer: Any) -> dict[str, str]:
     """What in this Trainer setup gradguard cannot guard (see ``gradguard.adapter.refuse_unsupported``)."""
     out: dict[str, str] = {}

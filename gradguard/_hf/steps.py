@@ -10,6 +10,7 @@ import torch
 from .._compat import shadow_method, unshadow_method
 from ..data import batch_len, split_batch
 from ..oom import SKIPPED, OomRecovery, PieceFailed
+from ..policy import Action
 
 __all__ = ["StepRunner"]
 
@@ -41,6 +42,19 @@ class StepRunner:
         return self._orig is not None
 
     # -- the step's loss ----------------------------------------------------------------------
+    def forward_hook(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        """A forward hook on the model: ``outputs.loss`` of every training micro-batch."""
+        if not module.training or not torch.is_grad_enabled():
+            return
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, dict):
+            loss = output.get("loss")
+        if loss is None and isinstance(output, (tuple, list)) and output and kwargs.get("labels") is not None:
+            loss = output[0]
+        if isinstance(loss, torch.Tensor):
+            self.losses.append(loss.detach().float().mean())
+            self.sum_semantics = kwargs.get("num_items_in_batch") is not None
+
     def take_step_loss(self) -> torch.Tensor | None:
         if not self.losses:
             return None
@@ -73,6 +87,13 @@ class StepRunner:
         if self.trainer is not None and self._orig is not None:
             unshadow_method(self.trainer, "training_step", self._wrapper, self._previous)
         self._orig = None
+
+    def skip_data(self, action: Action) -> dict[str, Any]:
+        """The core's data-skip actuator: the next optimizer steps' batches are not computed."""
+        n = int(action.params.get("batches", 0))
+        self.discard_left += n
+        return {"mode": "the batches of the next optimizer steps are drawn but not computed (no forward/backward)",
+                "optimizer_steps": n}
 
     def placeholder_loss(self) -> torch.Tensor:
         """What a not-computed micro-batch reports to the Trainer's loss log: the last healthy

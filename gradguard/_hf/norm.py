@@ -1,0 +1,107 @@
+"""The step's decision in the Trainer: ``core.before_step`` once the gradients are accumulated and
+unscaled, taken inside the Trainer's own norm pass (``_clip_grad_norm``) when that pass can be taken
+over, else in ``on_pre_optimizer_step``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._compat import HF_NORM_METHOD, hf_norm_pass_plain, shadow_method, unshadow_method
+from ..act import drop_grads
+from ..adapter import SchedulerHold
+from ..guard import GuardCore, StepReport
+from ..measure import EngineClip
+from .steps import StepRunner
+
+__all__ = ["StepDecision"]
+
+
+class StepDecision:
+    """One run's step decisions. ``replay_clip``: the Trainer's own ``max_grad_norm`` clip, re-applied
+    from the same norms when the guard does not clip (monitor mode). ``held``: the LR scheduler
+    whose next ``step()`` a skipped step swallows."""
+
+    def __init__(self, core: GuardCore, runner: StepRunner, *, scaler: Any, replay_clip: float | None,
+                 held: SchedulerHold) -> None:
+        self.core = core
+        self.runner = runner
+        self.scaler = scaler
+        self.replay_clip = replay_clip
+        self.held = held
+        self.report: StepReport | None = None  # this step's, until on_step_end takes it
+        self.decided = False  # this step's decision was taken in the Trainer's norm pass
+        self.norm_plain: bool | None = None  # the Trainer's norm pass can be taken over (first step)
+        self._shadow: tuple[Any, Any, Any] | None = None  # (trainer, wrapper, previous)
+
+    def pre_step(self) -> StepReport | None:
+        """The step's decision (gradients accumulated and unscaled): ``core.before_step``, the
+        Trainer's own clip replayed when the guard does not clip. None for a step whose data was
+        skipped."""
+        core, runner = self.core, self.runner
+        loss = runner.take_step_loss()
+        runner.micro_in_step = 0
+        if runner.discard_left > 0 or runner.poisoned:
+            # a data window skipped after a rollback, or a step broken by an out-of-memory error
+            if runner.poisoned:
+                runner.poisoned = False
+            else:
+                runner.discard_left -= 1
+            drop_grads(runner.params)
+            self.held.hold()
+            core.discard_step()
+            return None
+        replay = self.replay_clip
+        engine = EngineClip(runner.params, replay) if replay is not None else None
+        report = core.before_step(loss=loss, scaler=self.scaler, drop_on_skip=True, engine_clip=engine)
+        if report.applied and replay is not None and core.replay_engine_clip(report) is None:
+            report.engine_norm = float(torch.nn.utils.clip_grad_norm_(runner.params, replay))
+        if report.skipped:
+            self.held.hold()
+        return report
+
+    def decide(self) -> StepReport | None:
+        """``on_pre_optimizer_step``: the decision the norm pass took, else take it now."""
+        if self.decided:
+            self.decided = False
+            return self.report
+        self.report = self.pre_step()
+        return self.report
+
+    def take_report(self) -> StepReport | None:
+        report, self.report = self.report, None
+        return report
+
+    # -- the Trainer's norm pass ------------------------------------------------------------------
+    def take_over(self, trainer: Any) -> None:
+        """Shadow the Trainer's ``_clip_grad_norm`` for the run (put back by :meth:`release`)."""
+        if not hasattr(trainer, HF_NORM_METHOD):
+            return
+        orig = getattr(trainer, HF_NORM_METHOD)
+
+        def norm_pass(model: Any) -> Any:
+            return self.engine_norm_pass(orig, model)
+
+        self._shadow = (trainer, norm_pass, shadow_method(trainer, HF_NORM_METHOD, norm_pass))
+
+    def release(self) -> None:
+        if self._shadow is not None:
+            unshadow_method(self._shadow[0], HF_NORM_METHOD, self._shadow[1], self._shadow[2])
+            self._shadow = None
+
+    def engine_norm_pass(self, orig: Any, model: Any) -> Any:
+        """The Trainer's ``_clip_grad_norm``, taken over: unscale (fp16), then the step's one pass over
+        the gradients in ``core.before_step`` (the guard's clip, or the Trainer's replayed bit for bit);
+        returns the total norm for the Trainer's ``grad_norm`` log."""
+        trainer = self.runner.trainer
+        if self.norm_plain is None and trainer is not None:
+            self.norm_plain = hf_norm_pass_plain(trainer, model)
+        if trainer is None or self.decided or not self.norm_plain:
+            return orig(model)
+        trainer.accelerator.unscale_gradients()
+        report = self.report = self.pre_step()
+        self.decided = True
+        if report is None:
+            return None  # no gradients this step: the Trainer logs no grad_norm for it
+        return report.engine_norm if report.engine_norm is not None else report.total_norm

@@ -1,0 +1,98 @@
+"""The guard's state in the Trainer's checkpoints: what is exported (``trainer_state.json`` entry and
+``gradguard_state.json``), and what a resumed run puts back."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ..adapter import unusable_resume_state
+from ..config import GuardConfig
+from ..errors import StateError
+from ..guard import GuardCore
+from .checkpoints import find_resume_state, write_state_file
+from .loader import TrainerLoader
+from .steps import StepRunner
+
+__all__ = ["checkpoint_dir", "export_state", "saving_step", "ensure_state_entry", "resume", "saved",
+           "clip_on_save"]
+
+
+def checkpoint_dir(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f"checkpoint-{step}")
+
+
+def export_state(core: GuardCore | None, runner: StepRunner | None, batches: TrainerLoader | None,
+                 output_dir: str | None, saving: int | None = None) -> dict[str, Any]:
+    """The state saved with a checkpoint; with ``saving`` (the step of the checkpoint being written)
+    the guard state lists that checkpoint in its rollback tier."""
+    if core is None or runner is None:
+        return {}
+    guard = (core.state_dict() if saving is None
+             else core.checkpoint_state(saving, [checkpoint_dir(str(output_dir), saving)]))
+    return {"guard": guard, **runner.state_dict(),
+            **(batches.state_dict() if batches is not None else {"batch_size": None, "base_batch_size": None})}
+
+
+def saving_step(tstate: Any, control: Any) -> int | None:
+    """The step of the checkpoint the Trainer is writing now, else None. The Trainer serialises
+    its callbacks' ``state()`` into ``trainer_state.json`` before it calls ``on_save``."""
+    if tstate is None or control is None or not control.should_save:
+        return None
+    return int(tstate.global_step)
+
+
+def ensure_state_entry(state: Any, name: str, export: Callable[[], dict[str, Any]]) -> None:
+    """A callback added when resuming has no entry in the checkpoint's ``stateful_callbacks``;
+    the Trainer's next save looks its name up there and fails (``KeyError``). Add the entry
+    (``export()``: the callback's ``state()``)."""
+    entries = getattr(state, "stateful_callbacks", None)
+    if isinstance(entries, dict) and name not in entries:
+        entries[name] = export()
+
+
+def resume(core: GuardCore, runner: StepRunner, batches: TrainerLoader | None, config: GuardConfig,
+           restored: dict[str, Any] | None, args: Any, state: Any, name: str) -> None:
+    """Put back the guard state of the checkpoint resumed from (see ``find_resume_state``). One that
+    cannot be used: ``StateError`` when acting (nothing changed yet), a warning in monitor mode."""
+    try:
+        found = find_resume_state(restored, args, state, name)
+        guard = found.get("guard") if found else None
+        if guard:
+            core.load_state_dict(guard)  # validated whole first: a StateError changed nothing
+    except StateError as exc:
+        unusable_resume_state(config, exc)  # raises when the policy acts
+        found = guard = None
+    if not guard:
+        core.start_at(state.global_step)
+        core.emit({"type": "resume", "step": state.global_step, "restored": False})
+        return
+    assert found is not None
+    if "checkpoints" in found and "checkpoints" not in guard:  # written by gradguard <= 0.1
+        core.checkpoint_tier.load_state_dict(found["checkpoints"])
+    runner.load_state_dict(found)
+    if batches is not None:
+        batches.load_state_dict(found)
+    core.emit({"type": "resume", "step": state.global_step, "restored": True, "guard_step": core.step_count})
+
+
+def saved(core: GuardCore, args: Any, step: int, export: Callable[[], dict[str, Any]],
+          diagnosis: dict[str, Any] | None) -> None:
+    """``on_save``: the checkpoint joins the rollback tier (on every process); the main process writes
+    ``gradguard_state.json`` (and ``diagnosis.json`` after a halt) into the folder."""
+    args.max_grad_norm = math.inf
+    ckpt = checkpoint_dir(args.output_dir, step)
+    core.checkpoint_saved(step, [ckpt])
+    if not getattr(args, "should_save", True):
+        return
+    if os.path.isdir(ckpt):
+        write_state_file(ckpt, export())  # after checkpoint_saved: the tier lists it
+        if diagnosis is not None:
+            core.write_diagnosis(diagnosis, ckpt)
+
+
+def clip_on_save(max_grad_norm: float | None) -> float:
+    """What checkpoints record as ``TrainingArguments.max_grad_norm``: the clip in force (0 when none)."""
+    return 0.0 if max_grad_norm is None else float(max_grad_norm)
