@@ -29,16 +29,9 @@ How the Trainer's events map onto the core:
 * a step with a finding, skip, action or halt that is not a logging step is written into the
   ``report_to`` W&B run / TensorBoard writer at that step (``gradguard/event/<name>`` points);
   alerts go there too (``gradguard._hf.live``).
-* ``trainer.training_step`` is wrapped for the run (the Trainer is found on the call stack): an
-  out-of-memory error retries the same samples in smaller chunks (and later micro-batches stay
-  split); a data window skipped after a rollback is not computed; ``shrink_mode="micro"`` splits.
-* the train dataloader is the core's batch controller: ``shrink_batch`` / grow-back change its
-  batch size live (LR scaled linearly while it is small).
-* rollback: the in-memory snapshot ring first, then the run's own ``checkpoint-*`` folders (a
-  checkpoint is trusted once the step after it was healthy).
-* checkpoints: the guard's state is an ``ExportableState`` entry of ``trainer_state.json`` and a
-  ``gradguard_state.json`` file in the checkpoint folder; ``train(resume_from_checkpoint=...)``
-  restores it.
+* the engine plumbing (``gradguard._hf``): the ``training_step`` runner (out-of-memory retries, data
+  windows not computed), the train dataloader as the batch controller, the ``checkpoint-*`` folders
+  as the rollback source, the guard's state in checkpoints.
 """
 
 
@@ -47,16 +40,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._compat import check_features, find_caller, hf_callback_being_restored
+from ._compat import find_caller, hf_callback_being_restored
 from ._hf import state as hf_state
-from ._hf.checkpoints import STATE_FILE, TrainerCheckpoints
+from ._hf.checkpoints import STATE_FILE
 from ._hf.live import add_to_logs, bind_integrations, is_logging_step, move_ahead_of_reporters
 from ._hf.loader import TrainerLoader
 from ._hf.norm import StepDecision
-from ._hf.setup import effective_config, event_log_dir, validate
+from ._hf.setup import build, effective_config, event_log_dir, validate
 from ._hf.steps import StepRunner
-from .act import unwrap_optimizer
-from .adapter import HaltLatch, SchedulerHold, halt_raises, may_wrap
+from .adapter import HaltLatch, halt_raises, may_wrap
 from .config import GuardConfig
 from .errors import StateError
 from .guard import GuardCore, StepReport
@@ -176,21 +168,11 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             return  # monitor mode on an unsupported setup: stand aside
         cfg, replay_clip = effective_config(self.config, args)
         self._user_max_grad_norm = args.max_grad_norm
-        scaler = getattr(optimizer, "scaler", None)
         out_dir = event_log_dir(cfg, self.out_dir, self, args)
-        opt = unwrap_optimizer(optimizer)
-        self.core = core = GuardCore(model, opt, config=cfg, sinks=list(self.user_sinks), out_dir=out_dir,
-                                     scheduler=lr_scheduler, scaler=scaler)
-        check_features("hf")
         self._args = args
-        self.runner = runner = StepRunner(core, args, list(model.parameters()))
-        self.decision = StepDecision(core, runner, scaler=scaler, replay_clip=replay_clip,
-                                     held=SchedulerHold([lr_scheduler]))
-        core.attach_data_skip(runner.skip_data)
-        core.attach_checkpoints(TrainerCheckpoints(args.output_dir, model, opt, scaler=scaler, scheduler=lr_scheduler,
-                                                   restore_schedule=cfg.recovery.restore_schedule))
-        self._batches = TrainerLoader(train_dataloader, args.gradient_accumulation_steps, runner)
-        core.attach_batches(self._batches)
+        core, runner, decision, self._batches = build(cfg, replay_clip, args, model, optimizer, lr_scheduler,
+                                                      train_dataloader, list(self.user_sinks), out_dir)
+        self.core, self.runner, self.decision = core, runner, decision
         if state.global_step > 0:
             self._restore(args, state)  # before anything of the Trainer's is changed: a StateError leaves it as it was
         self._control, self._tstate = control, state
@@ -203,7 +185,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if trainer is not None and may_wrap(cfg):  # monitor mode changes nothing, OOM handling included
             runner.wrap(trainer)
         if trainer is not None:
-            self.decision.take_over(trainer)  # the Trainer's norm pass becomes the step's decision
+            decision.take_over(trainer)  # the Trainer's norm pass becomes the step's decision
         self._hook = model.register_forward_hook(runner.forward_hook, with_kwargs=True)
         args.max_grad_norm = math.inf  # keep unscaling + measuring in the Trainer, never its clipping
 
@@ -238,17 +220,12 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if core is None or self.runner is None or decision is None:
             return
         self._control = control
-        decision.held.release()  # only the skipped step's scheduler.step() is swallowed
-        report = decision.take_report()
         if not self._live_bound and getattr(state, "is_world_process_zero", True):
             self._live_bound = True  # the integrations set themselves up in their on_train_begin
             core.add_live_sinks(bind_integrations(self._callbacks, core.sinks))
+        # DefaultFlowCallback (ahead of this callback) has decided whether this step is logged
+        report = decision.finish(engine_logs=bool(control.should_log))
         if report is not None:
-            core.keep_scale(report, decision.scaler)  # the Trainer's scaler.update() may have halved it once more
-            if report.applied and report.loss is not None and math.isfinite(report.loss):
-                self.runner.last_step_loss = report.loss
-            # DefaultFlowCallback (ahead of this callback) has decided whether this step is logged
-            core.after_step(report, engine_logs=bool(control.should_log))
             self.reports.append(report)
             if len(self.reports) > 1000:
                 del self.reports[:-1000]
@@ -290,7 +267,6 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             self.runner.unwrap()
         if self.decision is not None:
             self.decision.release()
-            self.decision.held.release()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -4,6 +4,7 @@ over, else in ``on_pre_optimizer_step``."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -69,8 +70,17 @@ class StepDecision:
         self.report = self.pre_step()
         return self.report
 
-    def take_report(self) -> StepReport | None:
+    def finish(self, *, engine_logs: bool) -> StepReport | None:
+        """``on_step_end``: the held scheduler is released (only the skipped step's ``step()`` is
+        swallowed), and the step's report, if any, goes through ``core.after_step``."""
+        self.held.release()
         report, self.report = self.report, None
+        if report is None:
+            return None
+        self.core.keep_scale(report, self.scaler)  # the Trainer's scaler.update() may have halved it once more
+        if report.applied and report.loss is not None and math.isfinite(report.loss):
+            self.runner.last_step_loss = report.loss
+        self.core.after_step(report, engine_logs=engine_logs)
         return report
 
     # -- the Trainer's norm pass ------------------------------------------------------------------
@@ -86,6 +96,8 @@ class StepDecision:
         self._shadow = (trainer, norm_pass, shadow_method(trainer, HF_NORM_METHOD, norm_pass))
 
     def release(self) -> None:
+        """End of the run: the norm pass and the LR scheduler are the Trainer's again."""
+        self.held.release()
         if self._shadow is not None:
             unshadow_method(self._shadow[0], HF_NORM_METHOD, self._shadow[1], self._shadow[2])
             self._shadow = None

@@ -9,12 +9,19 @@ import math
 import os
 from typing import Any
 
-from .._compat import hf_callback_list
-from ..adapter import check_ladder, engine_refusal, refuse_unsupported, resolve_clip
+from .._compat import check_features, hf_callback_list
+from ..act import unwrap_optimizer
+from ..adapter import SchedulerHold, check_ladder, engine_refusal, refuse_unsupported, resolve_clip
 from ..config import GuardConfig
+from ..guard import GuardCore
 from ..logdir import choose_log_dir
+from ..sinks import Sink
+from .checkpoints import TrainerCheckpoints
+from .loader import TrainerLoader
+from .norm import StepDecision
+from .steps import StepRunner
 
-__all__ = ["unsupported", "validate", "effective_config", "event_log_dir", "log_entries", "tensorboard_dir"]
+__all__ = ["unsupported", "validate", "effective_config", "event_log_dir", "build", "log_entries", "tensorboard_dir"]
 
 _UNSKIPPABLE_OPTIMS = ("lomo", "adalomo")  # update inside backward: no optimizer step to skip
 HF_DEFAULT_MAX_GRAD_NORM = 1.0  # TrainingArguments.max_grad_norm's default
@@ -54,6 +61,26 @@ def event_log_dir(cfg: GuardConfig, out_dir: str | None, callback: Any, args: An
     if found is None:
         cfg.output = dataclasses.replace(cfg.output, jsonl=False)
     return found
+
+
+def build(cfg: GuardConfig, replay_clip: float | None, args: Any, model: Any, optimizer: Any, lr_scheduler: Any,
+          train_dataloader: Any, sinks: list[Sink], out_dir: str | None
+          ) -> tuple[GuardCore, StepRunner, StepDecision, TrainerLoader]:
+    """The run's core on the Trainer's model, optimizer, LR scheduler and GradScaler, with the
+    Trainer's plumbing attached: the ``training_step`` runner (data skip), the ``checkpoint-*``
+    folders (rollback), the train dataloader (batch size), and the step decisions."""
+    scaler = getattr(optimizer, "scaler", None)
+    opt = unwrap_optimizer(optimizer)
+    core = GuardCore(model, opt, config=cfg, sinks=sinks, out_dir=out_dir, scheduler=lr_scheduler, scaler=scaler)
+    check_features("hf")
+    runner = StepRunner(core, args, list(model.parameters()))
+    decision = StepDecision(core, runner, scaler=scaler, replay_clip=replay_clip, held=SchedulerHold([lr_scheduler]))
+    core.attach_data_skip(runner.skip_data)
+    core.attach_checkpoints(TrainerCheckpoints(args.output_dir, model, opt, scaler=scaler, scheduler=lr_scheduler,
+                                               restore_schedule=cfg.recovery.restore_schedule))
+    batches = TrainerLoader(train_dataloader, args.gradient_accumulation_steps, runner)
+    core.attach_batches(batches)
+    return core, runner, decision, batches
 
 
 def unsupported(args: Any, optimizer: Any) -> dict[str, str]:

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..adapter import unusable_resume_state
+from ..adapter import load_guard_state, unusable_resume_state
 from ..config import GuardConfig
 from ..errors import StateError
 from ..guard import GuardCore
@@ -59,19 +59,14 @@ def resume(core: GuardCore, runner: StepRunner, batches: TrainerLoader | None, c
     cannot be used: ``StateError`` when acting (nothing changed yet), a warning in monitor mode."""
     try:
         found = find_resume_state(restored, args, state, name)
-        guard = found.get("guard") if found else None
-        if guard:
-            core.load_state_dict(guard)  # validated whole first: a StateError changed nothing
     except StateError as exc:
         unusable_resume_state(config, exc)  # raises when the policy acts
-        found = guard = None
-    if not guard:
+        found = None
+    guard = found.get("guard") if found else None
+    if not found or not guard or not load_guard_state(core, config, guard, found.get("checkpoints")):
         core.start_at(state.global_step)
         core.emit({"type": "resume", "step": state.global_step, "restored": False})
         return
-    assert found is not None
-    if "checkpoints" in found and "checkpoints" not in guard:  # written by gradguard <= 0.1
-        core.checkpoint_tier.load_state_dict(found["checkpoints"])
     runner.load_state_dict(found)
     if batches is not None:
         batches.load_state_dict(found)
