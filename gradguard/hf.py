@@ -24,8 +24,9 @@ How the Trainer's events map onto the core:
 * ``on_log``: the run-level ``gradguard/...`` metrics are added to the Trainer's logs (the callback
   moves itself ahead of the reporting integrations so that they receive them); so are the
   per-layer ones, which every integration receives (W&B, TensorBoard, MLflow, ...) and a filter
-  placed right before the progress bar removes from the printed line. ``gradguard/loss`` is the mean guard loss of the logging window,
-  non-finite values included (the Trainer's ``logging_nan_inf_filter`` hides them from ``loss``).
+  placed right before the progress bar removes from the printed line. ``gradguard/loss`` is the
+  mean guard loss of the logging window, non-finite values included (the Trainer's
+  ``logging_nan_inf_filter`` hides them from ``loss``).
 * a step with a finding, skip, action or halt that is not a logging step is written into the
   ``report_to`` W&B run / TensorBoard writer at that step (``gradguard/event/<name>`` points);
   alerts go there too (``gradguard._hf.live``).
