@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ..adapter import unusable_resume_state
+from ..adapter import restore_guard_state
 from ..errors import StateError
 
 __all__ = ["ADAPTER_STATE_VERSION", "adopt_unclaimed", "adapter_state", "keep_pending", "apply_pending"]
@@ -54,21 +54,15 @@ def apply_pending(cb: Any) -> bool:
     cannot be used: ``StateError`` when acting (the core torn down), a warning and a fresh guard in
     monitor mode."""
     st, cb._pending_state = cb._pending_state, None
-    core = cb.core
-    if not st or core is None:
+    if not st or cb.core is None:
         return False
-    if st.get("core") is not None:
-        try:
-            core.load_state_dict(st["core"])  # validated whole first: a StateError changed nothing
-        except StateError as exc:
-            try:
-                unusable_resume_state(cb.config, exc)
-            except StateError:
-                cb._teardown_core()
-                raise
-            return False
-    if st.get("checkpoints") is not None and "checkpoints" not in (st.get("core") or {}):
-        core.checkpoint_tier.load_state_dict(st["checkpoints"])  # written by gradguard <= 0.1
+    try:
+        usable = restore_guard_state(cb.core, cb.config, st.get("core"), legacy_checkpoints=st.get("checkpoints"))
+    except StateError:
+        cb._teardown_core()
+        raise
+    if not usable:
+        return False
     cb._skip_left = int(st.get("skip_left", 0))
     cb.data_skipped_steps = int(st.get("data_skipped_steps", 0))
     if st.get("batches") and cb.batches is not None:
