@@ -13,8 +13,7 @@
   ``clip.mode="off"``) the engine's clipping is left as it is.
 * :func:`unusable_resume_state`: a saved guard state that cannot be restored on resume is a
   :class:`StateError` when the policy acts; in monitor mode a warning, and the guard starts fresh.
-* :func:`load_guard_state`: a saved guard state put back into the core on resume (validated whole
-  first; :func:`unusable_resume_state` decides what an unusable one does).
+  :func:`restore_guard_state` applies a saved guard state with that rule.
 * :func:`may_wrap`: monitor mode installs no wrapper anywhere (``training_step``, ``backward``).
 * :class:`SchedulerHold`: a skipped optimizer step does not move the LR schedule (the engine's next
   ``scheduler.step()`` is swallowed).
@@ -37,7 +36,7 @@ from .config import ClipConfig, GuardConfig
 from .errors import ConfigError, GradGuardHalt, StateError, UnsupportedSetupError, warn
 
 __all__ = ["refuse_unsupported", "stand_aside", "unusable_resume_state", "ENGINE_REFUSALS", "engine_refusal", "sharding_problems", "refuse_setup", "resolve_clip", "may_wrap", "SchedulerHold", "HaltLatch", "free_memory",
-           "halt_raises", "load_guard_state"]
+           "halt_raises", "restore_guard_state"]
 
 
 def free_memory() -> None:
@@ -78,19 +77,20 @@ def unusable_resume_state(config: GuardConfig, exc: StateError) -> None:
     warn(f"gradguard: {exc} Monitor mode starts with a fresh guard state instead")
 
 
-def load_guard_state(core: Any, config: GuardConfig, guard: dict[str, Any],
-                     legacy_checkpoints: dict[str, Any] | None = None) -> bool:
-    """Put a saved guard state (``GuardCore.state_dict()``) back into ``core``; True when applied.
-    The state is validated whole first, so one that cannot be used changed nothing: a
-    :class:`StateError` when the policy acts (the adapter tears down and re-raises), else a warning
-    and False (the guard starts fresh). ``legacy_checkpoints``: the rollback tier that gradguard
-    <= 0.1 saved beside the guard state rather than inside it."""
-    try:
-        core.load_state_dict(guard)
-    except StateError as exc:
-        unusable_resume_state(config, exc)
-        return False
-    if legacy_checkpoints is not None and "checkpoints" not in guard:
+def restore_guard_state(core: Any, config: GuardConfig, guard: dict[str, Any] | None, *,
+                        legacy_checkpoints: list[dict[str, Any]] | None = None) -> bool:
+    """Apply a resumed run's saved guard state (``core.state_dict()``; None: nothing saved) to
+    ``core``, validated whole first. ``legacy_checkpoints``: the trust tier that gradguard <= 0.1
+    saved beside the guard state, loaded when the guard state holds none. Returns False only for a
+    guard state that cannot be used in monitor mode (warned, nothing changed: start fresh); when
+    acting that is the :class:`StateError` of :func:`unusable_resume_state`."""
+    if guard is not None:
+        try:
+            core.load_state_dict(guard)
+        except StateError as exc:
+            unusable_resume_state(config, exc)
+            return False
+    if legacy_checkpoints is not None and "checkpoints" not in (guard or {}):
         core.checkpoint_tier.load_state_dict(legacy_checkpoints)
     return True
 

@@ -104,6 +104,29 @@ def test_state_from_another_model_is_refused(tmp_path):
     guard.close()
 
 
+def test_restore_guard_state_applies_a_good_state_and_refuses_or_sets_aside_a_bad_one(tmp_path):
+    from gradguard.adapter import restore_guard_state
+
+    state = _trained_state(tmp_path)
+    tier = [{"step": 4, "path": "ck-4", "tested": True}]  # the trust tier of gradguard <= 0.1
+    for preset in ("default", "monitor"):
+        guard, _, _ = _guard(tmp_path / preset, preset=preset)
+        before = guard.state_dict()
+        bad = _garble(["step_count"], -3)(state)
+        if preset == "default":
+            with pytest.raises(StateError, match=r"step_count=-3.*Fix"):
+                restore_guard_state(guard, guard.config, bad, legacy_checkpoints=tier)
+        else:
+            with pytest.warns(gg.GradGuardWarning, match=r"step_count=-3.*fresh guard state"):
+                assert restore_guard_state(guard, guard.config, bad, legacy_checkpoints=tier) is False
+        assert guard.state_dict() == before and guard.checkpoint_tier.entries == []  # nothing changed
+        assert restore_guard_state(guard, guard.config, None, legacy_checkpoints=tier) is True
+        assert [e["path"] for e in guard.checkpoint_tier.entries] == ["ck-4"]
+        assert restore_guard_state(guard, guard.config, state, legacy_checkpoints=tier) is True
+        assert guard.step_count == 6 and guard.checkpoint_tier.entries == state["checkpoints"]  # the state's own tier
+        guard.close()
+
+
 def test_second_acting_guard_and_closure_optimizer_are_refused_at_attach(tmp_path):
     guard, model, opt = _guard(tmp_path)
     with pytest.raises(AttachError) as info:

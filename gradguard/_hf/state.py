@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..adapter import load_guard_state, unusable_resume_state
+from ..adapter import restore_guard_state, unusable_resume_state
 from ..config import GuardConfig
 from ..errors import StateError
 from ..guard import GuardCore
@@ -63,7 +63,7 @@ def resume(core: GuardCore, runner: StepRunner, batches: TrainerLoader | None, c
         unusable_resume_state(config, exc)  # raises when the policy acts
         found = None
     guard = found.get("guard") if found else None
-    if not found or not guard or not load_guard_state(core, config, guard, found.get("checkpoints")):
+    if not found or not guard or not restore_guard_state(core, config, guard, legacy_checkpoints=found.get("checkpoints")):
         core.start_at(state.global_step)
         core.emit({"type": "resume", "step": state.global_step, "restored": False})
         return

@@ -18,7 +18,7 @@ from typing import Any
 from .._compat import shadow_method, unshadow_method
 from ..measure import EngineClip
 
-__all__ = ["ClipTakeover"]
+__all__ = ["ClipTakeover", "hand_clip_to_lightning"]
 
 
 def _overridden(name: str, pl_module: Any) -> bool:
@@ -84,3 +84,11 @@ class ClipTakeover:
             unshadow_method(plugin, "clip_grad_by_norm", wrapper, previous)
         self._shadow = None
         self._pending = None
+
+
+def hand_clip_to_lightning(cb: Any, trainer: Any) -> None:
+    """A guard that clips (acting, ``clip.mode`` not ``"off"``) keeps Lightning's norm clip at its
+    current ``max_norm``; switched off again inside each step it has clipped already."""
+    if cb._manage_clip and cb.core is not None:
+        trainer.gradient_clip_val = cb.core.max_grad_norm
+        trainer.gradient_clip_algorithm = "norm"
