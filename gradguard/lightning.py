@@ -78,10 +78,11 @@ class _GradGuardMixin:
                 event log (one warning). Remote roots (``memory://``, ``s3://``) are written
                 through fsspec. The rule: :mod:`gradguard.logdir`.
             layer_fn: parameter name -> layer name (see ``gradguard.measure.LayerMap``).
-            log_to_loggers: send the core's metrics to the trainer's loggers: the regular rows with
-                ``pl_module.log_dict`` (Lightning's ``log_every_n_steps`` and step, next to the
-                user's ``self.log``), the rows of event steps Lightning does not log straight into
-                each logger at Lightning's step for that batch, alerts into a ``WandbLogger``'s run
+            log_to_loggers: send the core's metrics to the trainer's loggers, straight into each
+                logger at Lightning's step for that batch (the x of the user's ``self.log`` values):
+                the regular rows at Lightning's cadence (``log_every_n_steps``), the rows of event
+                steps whatever the cadence; never through ``self.log``, so ``trainer.logged_metrics``,
+                ``callback_metrics`` and the progress bar hold only the user's values; alerts into a ``WandbLogger``'s run
                 (``run.alert``) and a ``TensorBoardLogger``'s writer (text).
         """
         super().__init__()
@@ -151,6 +152,20 @@ class _GradGuardMixin:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state.keep_pending(self, state_dict)  # applied in on_train_start: the optimizers do not exist yet
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling (``torch.save(trainer)``, ``copy.deepcopy``) keeps the callback as constructed
+        and the guard's state (:meth:`state_dict`); the attached run (core, hooks, wrappers, the
+        trainer) is not pickled: an unpickled callback attaches afresh and applies that state."""
+        return {"init": {"config": self.config, "name": self.name, "sinks": self.extra_sinks,
+                         "out_dir": self.out_dir, "layer_fn": self.layer_fn,
+                         "log_to_loggers": self.log_to_loggers},
+                "state": self.state_dict() if (self.core is not None or self._pending_state) else None}
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        _GradGuardMixin.__init__(self, **saved["init"])
+        if saved.get("state") is not None:
+            self.load_state_dict(saved["state"])
 
     # -- lifecycle (gradguard/_lightning/setup.py) ------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:

@@ -533,3 +533,20 @@ def test_sharded_strategies_are_refused_at_attach_with_the_plain_loop_as_alterna
         os.environ.clear()  # nor its MASTER_PORT / WORLD_SIZE / RANK variables (a later child process
         os.environ.update(env)  # would take them for a distributed launch)
     assert ENGINE_REFUSALS["fsdp"][1] in str(err.value)  # the same reason and fix as under every engine
+
+
+def test_the_callback_pickles_with_the_trainer(tmp_path):
+    """``torch.save(trainer)`` / ``copy.deepcopy`` (Lightning's own test_model_torch_save): the
+    callback pickles as constructed plus its guard state, without the attached run."""
+    import copy
+    import io
+    import pickle
+
+    from gradguard.lightning import GradGuardCallback
+
+    cb = GradGuardCallback(cfg(tmp_path, "default"))
+    trainer = fit(LitGPT(lr=1e-3), [cb], tmp_path=tmp_path, steps=4)
+    torch.save(trainer, io.BytesIO())  # raised "Can't pickle local object" before
+    for clone in (pickle.loads(pickle.dumps(cb)), copy.deepcopy(cb)):
+        assert clone.core is None and clone.config == cb.config and clone.state_key == cb.state_key
+        assert clone.state_dict()["core"]["step_count"] == cb.state_dict()["core"]["step_count"] == 4

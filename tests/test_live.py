@@ -313,8 +313,9 @@ class CountingLogger:
 
 def test_lightning_logger_calls_follow_log_every_n_steps(tmp_path):
     """12 optimizer steps of 2 micro-batches, log_every_n_steps=4, no event: gradguard's values
-    ride on Lightning's own 3 logger calls (keyword arguments, same step as the user's train_loss);
-    TensorBoardLogger with accumulation works."""
+    reach each logger at Lightning's 3 logging steps (keyword arguments, the step of the user's
+    train_loss), never through ``self.log``: the user's logged / callback metrics hold none of
+    them; TensorBoardLogger with accumulation works."""
     tl = _lit()
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -323,14 +324,18 @@ def test_lightning_logger_calls_follow_log_every_n_steps(tmp_path):
     counting = CountingLogger.make(str(tmp_path / "csv"))
     tb = TensorBoardLogger(str(tmp_path / "tb"))
     cb = GradGuardCallback(tl.cfg(tmp_path, "monitor", output={"metrics_interval": 1}))
-    tl.fit(tl.LitGPT(lr=1e-3), [cb], tmp_path=tmp_path, steps=12, logger=[counting, tb], log_every_n_steps=4,
-           accumulate_grad_batches=2)
+    trainer = tl.fit(tl.LitGPT(lr=1e-3), [cb], tmp_path=tmp_path, steps=12, logger=[counting, tb],
+                     log_every_n_steps=4, accumulate_grad_batches=2)
     assert not event_steps(jsonl(cb.core.log_path))  # a quiet run: no event rows
     calls = counting.calls
     assert all(not args and set(kw) == {"metrics", "step"} for args, kw in calls)
     mine = [kw for _, kw in calls if any(k.startswith("gradguard/") for k in kw["metrics"])]
     assert [kw["step"] for kw in mine] == [3, 7, 11]
-    assert all("train_loss" in kw["metrics"] for kw in mine)  # the same row as the user's self.log
+    users = [kw for _, kw in calls if "train_loss" in kw["metrics"]]
+    assert [kw["step"] for kw in users] == [3, 7, 11]  # the same x as the user's self.log of that batch
+    assert not any(k.startswith("gradguard/") for kw in users for k in kw["metrics"])
+    assert not any(k.startswith("gradguard/") for k in [*trainer.logged_metrics, *trainer.callback_metrics,
+                                                         *trainer.progress_bar_metrics])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0})

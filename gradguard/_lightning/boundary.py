@@ -93,7 +93,7 @@ def before_optimizer_step(cb: Any, trainer: Any, pl_module: Any, optimizer: Any)
 
 def after_optimizer_step(cb: Any, trainer: Any, pl_module: Any) -> None:
     """The end of a batch that closed an optimizer step of the guarded optimizer: ``core.after_step``,
-    its row logged with ``pl_module.log_dict``, the fp16 scale the core wants kept put back."""
+    its row sent to the loggers at Lightning's cadence, the fp16 scale the core wants kept put back."""
     cb._stepped = False
     cb.steps.restore_stash()
     cb._held.release()
@@ -102,8 +102,9 @@ def after_optimizer_step(cb: Any, trainer: Any, pl_module: Any) -> None:
     if report is not None:
         core.after_step(report, engine_logs=engine_logs(cb, trainer))
         row, core.pending_row = core.pending_row, None
-        if row:  # Lightning's cadence and step, in the same row as the user's self.log
-            pl_module.log_dict(row, on_step=True, on_epoch=False, prog_bar=False, logger=True, batch_size=1)
+        if row:  # Lightning's cadence, at its step for this batch: straight into each logger (not
+            # through self.log, which would add gradguard's keys to the user's logged/callback metrics)
+            core.send_live(report.step, row)
         core.keep_scale(report, cb.scaler)  # the GradScaler updated inside the optimizer step
     cb._window_step = False
     cb._poisoned = False

@@ -29,8 +29,7 @@ _REFUSED_STRATEGIES = {"DeepSpeed": "deepspeed", "FSDP": "fsdp", "ModelParallel"
 class LightningLoggerSink(Sink):
     """Rows for one Lightning logger (CSV, MLflow, ...: any without a W&B run or a SummaryWriter),
     at Lightning's step for the current batch, with ``log_metrics(metrics=..., step=...)`` as
-    Lightning calls it. The regular rows go through ``pl_module.log_dict`` (Lightning's own
-    cadence); the core sends this sink only the rows of event steps Lightning does not log."""
+    Lightning calls it: the regular rows at Lightning's cadence, and the rows of event steps."""
 
     engine_bound = True
 
