@@ -12,7 +12,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .sinks import M
+from .names import M
 
 __all__ = ["Panel", "EVENT_POINTS", "panels", "tensorboard_layout", "wandb_workspace", "wandb_workspace_spec",
            "create_wandb_workspace", "WORKSPACE_NAME"]

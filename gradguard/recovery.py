@@ -25,6 +25,7 @@ import torch
 
 from .contract import CheckpointSource, Collective
 from .policy import INSTABILITY_KINDS
+from .snapshot import load_optimizer_keeping_settings  # the one optimizer restore, beside copy_state
 
 __all__ = ["CheckpointTier", "BAD_KINDS", "step_verdict", "rollback_from_checkpoints", "restore_training_state",
            "load_optimizer_keeping_settings", "safe_load", "UnsafeCheckpoint"]
@@ -124,21 +125,6 @@ def safe_load(path_or_bytes: str | bytes | io.BytesIO, *, loader: Callable[..., 
             first = text.splitlines()[0] if text else ""
             raise UnsafeCheckpoint(f"not loadable with weights_only=True, skipped unread ({first[:200]})") from exc
         raise
-
-
-def load_optimizer_keeping_settings(optimizer: torch.optim.Optimizer, state: dict[str, Any], *,
-                                    restore_schedule: bool) -> None:
-    """Load an optimizer state (moments, step counts) but keep the current settings of every param
-    group: the policy's Adam moves, weight decay, and the schedule's ``lr``/``initial_lr`` unless
-    ``restore_schedule``. The state is copied (the optimizer never aliases the given tensors)."""
-    from .snapshot import copy_state
-
-    current = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    optimizer.load_state_dict(copy_state(state, device=None))
-    for g, kept in zip(optimizer.param_groups, current):
-        if restore_schedule:
-            kept = {k: v for k, v in kept.items() if k not in ("lr", "initial_lr")}
-        g.update(kept)
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from torch import nn
 from . import _io
 from ._shard import local_state, rewrap_optimizer_state, rewrap_state
 
-__all__ = ["Snapshot", "SnapshotRing", "DiskSnapshots", "SnapshotUnavailable", "copy_state", "copy_into",
+__all__ = ["load_optimizer_keeping_settings", "Snapshot", "SnapshotRing", "DiskSnapshots", "SnapshotUnavailable", "copy_state", "copy_into",
            "state_nbytes", "model_fingerprint", "optimizer_structure", "clean_orphans"]
 
 _TMP_MARK = ".tmp-"
@@ -570,9 +570,7 @@ class SnapshotRing:
             snap, st = self.load_state(snap)
         # copies into the existing parameters (sharded: each piece back into its DTensor)
         self.model.load_state_dict(rewrap_state(st["model"], self.model.state_dict()))
-        # one restore for every tier: optimizer state back, its current settings kept (gradguard.recovery)
-        from .recovery import load_optimizer_keeping_settings
-
+        # one restore for every tier: optimizer state back, its current settings kept
         load_optimizer_keeping_settings(self.optimizer, rewrap_optimizer_state(st["optimizer"], self.optimizer),
                                         restore_schedule=restore_schedule)
         if self.scheduler is not None and restore_schedule and "scheduler" in st:
@@ -625,3 +623,16 @@ class SnapshotRing:
             raise StateError(f"gradguard state snapshots={state!r}: counters must be >= 0. "
                              "Fix: load a state saved by gradguard.Guard.state_dict()")
         self.restored = state["restored"]
+
+
+def load_optimizer_keeping_settings(optimizer: torch.optim.Optimizer, state: dict[str, Any], *,
+                                    restore_schedule: bool) -> None:
+    """Load an optimizer state (moments, step counts) but keep the current settings of every param
+    group: the policy's Adam moves, weight decay, and the schedule's ``lr``/``initial_lr`` unless
+    ``restore_schedule``. The state is copied (the optimizer never aliases the given tensors)."""
+    current = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(copy_state(state, device=None))
+    for g, kept in zip(optimizer.param_groups, current):
+        if restore_schedule:
+            kept = {k: v for k, v in kept.items() if k not in ("lr", "initial_lr")}
+        g.update(kept)

@@ -152,11 +152,8 @@ def validate_core_state(core: Any, state: Any, version: int) -> None:
     live = core.state_dict()
     for key in ("detectors", "policy", "clip", "lr", "adam"):
         _like(key, state[key], live[key])
-    from .act import AdamTuner, ClipController, LRMultiplier
-
-    ClipController.check_state(state["clip"])
-    LRMultiplier.check_state(state["lr"])
-    AdamTuner.check_state(state["adam"])
+    for key in ("clip", "lr", "adam"):  # ClipController, LRMultiplier, AdamTuner check their own part
+        type(getattr(core, key)).check_state(state[key])
     if state["snapshots"] is not None:
         check_fields("snapshots", state["snapshots"], SNAPSHOT_FIELDS, SNAPSHOT_OPTIONAL)
     for key, value in state["lr"].get("layer_mult", {}).items():
