@@ -29,7 +29,7 @@ __all__ = [
     "swap_class", "check_features", "versions", "has_foreach_support", "device_dtype_groups", "HF_NORM_METHOD", "hf_norm_pass_plain",
     "pl_log_step", "pl_should_update_logs",
     "swap_class", "check_features", "versions", "dtensor_type", "fsdp1_units", "fsdp1_uses_orig_params",
-    "fsdp1_shard_size",
+    "fsdp1_shard_size", "fsdp1_full_shapes",
 ]
 
 _MISSING = object()
@@ -411,3 +411,16 @@ def fsdp1_shard_size(unit: Any) -> int:
         return 1
     group = getattr(unit, "process_group", None)
     return int(torch.distributed.get_world_size(group)) if group is not None else 1
+
+
+def fsdp1_full_shapes(model: Any) -> dict[int, tuple[int, ...]]:
+    """``{id(parameter): its unsharded shape}`` for the original parameters of FSDP1 units with
+    ``use_orig_params=True`` (each process sees only its flat piece of them: private
+    ``FlatParameter._params`` / ``_shapes``); empty without FSDP1."""
+    out: dict[int, tuple[int, ...]] = {}
+    for unit in fsdp1_units(model):
+        flat = getattr(unit, "_flat_param", None)
+        params, shapes = getattr(flat, "_params", None), getattr(flat, "_shapes", None)
+        if params and shapes and len(params) == len(shapes):
+            out.update({id(p): tuple(int(d) for d in s) for p, s in zip(params, shapes)})
+    return out

@@ -23,7 +23,7 @@ from torch import nn
 
 from ._compat import dtensor_type, fsdp1_shard_size, fsdp1_units, fsdp1_uses_orig_params
 
-__all__ = ["Sharding", "sharding", "unsupported_sharding", "local_state", "rewrap_state", "rewrap_optimizer_state"]
+__all__ = ["Sharding", "sharding", "zero_touching", "unsupported_sharding", "local_state", "rewrap_state", "rewrap_optimizer_state"]
 
 
 def _dtensor() -> type | None:
@@ -111,6 +111,19 @@ def sharding(model: nn.Module, world: int,
     if not dtensors and plain_copies == world:
         return None
     return Sharding(world, plain_copies, reduce)
+
+
+def zero_touching(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A zero loss whose backward reaches every parameter (its local piece when it is a DTensor),
+    without a forward: a skipped data window under DDP/FSDP keeps every rank's backward in step
+    (Lightning refuses a None loss there)."""
+    DTensor = _dtensor()
+    total = torch.zeros((), device=device)
+    for p in params:
+        local = p.to_local() if DTensor is not None and isinstance(p, DTensor) else p
+        if local.numel():
+            total = total + local.reshape(-1)[:1].sum()
+    return total * 0.0
 
 
 # -- snapshots: each process keeps its own pieces -----------------------------------------------------

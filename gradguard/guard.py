@@ -533,7 +533,12 @@ class GuardCore:
     def attach_checkpoints(self, source: CheckpointSource) -> None:
         """Use the engine's own checkpoints as the rollback disk tier (after the in-memory ring). The
         adapter reports each save with :meth:`checkpoint_saved`; the core applies the trust rule
-        (``recovery.confirm_steps`` healthy steps) and runs the rollback loop."""
+        (``recovery.confirm_steps`` healthy steps) and runs the rollback loop. Sharded parameters
+        (FSDP): not used; every process rolls back to its own snapshots (memory ring,
+        ``recovery.disk_dir``), since an engine's checkpoint holds gathered or distributed state
+        that the engine alone knows how to load into the shards."""
+        if self.measurer.sharding is not None:
+            return
         self.checkpoint_source = source
         if self.config.policy.act:
             self.register_actuator("rollback", self._rollback)

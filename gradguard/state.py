@@ -56,10 +56,15 @@ def _strip(name: str) -> str:
 
 def model_signature(model: nn.Module) -> str:
     """Hash of the model's parameter names and shapes (wrapper prefixes such as DDP's
-    ``module.`` dropped, so a state saved unwrapped loads under DDP and vice versa)."""
+    ``module.`` dropped, so a state saved unwrapped loads under DDP and vice versa). Sharded
+    parameters count with their unsharded shapes (FSDP2 DTensors have them; FSDP1's local flat
+    pieces differ by rank), so every rank of a sharded run has the unsharded model's signature."""
+    from ._compat import fsdp1_full_shapes
+
+    full = fsdp1_full_shapes(model)
     h = hashlib.sha256()
     for name, p in model.named_parameters():
-        h.update(f"{_strip(name)}:{tuple(p.shape)};".encode())
+        h.update(f"{_strip(name)}:{full.get(id(p), tuple(p.shape))};".encode())
     return h.hexdigest()[:16]
 
 

@@ -10,7 +10,15 @@ from typing import Any
 
 from .._compat import check_features, pl_log_step
 from ..act import unwrap_optimizer
-from ..adapter import check_ladder, engine_refusal, may_wrap, refuse_unsupported, resolve_clip, stand_aside
+from ..adapter import (
+    check_ladder,
+    engine_refusal,
+    may_wrap,
+    refuse_unsupported,
+    resolve_clip,
+    sharding_problems,
+    stand_aside,
+)
 from ..errors import warn
 from ..guard import GuardCore
 from ..logdir import choose_log_dir
@@ -24,7 +32,7 @@ __all__ = ["unsupported", "nothing_to_watch", "LightningLoggerSink", "live_sinks
            "attach", "remove_wrappers", "teardown_core"]
 
 # strategy class names (substring) -> ENGINE_REFUSALS kind; ModelParallelStrategy is FSDP2 (+ TP)
-_REFUSED_STRATEGIES = {"DeepSpeed": "deepspeed", "FSDP": "fsdp", "ModelParallel": "fsdp"}
+_REFUSED_STRATEGIES = {"DeepSpeed": "deepspeed"}
 
 class LightningLoggerSink(Sink):
     """Rows for one Lightning logger (CSV, MLflow, ...: any without a W&B run or a SummaryWriter),
@@ -75,6 +83,7 @@ def unsupported(trainer: Any) -> dict[str, str]:
         if key.lower() in strategy.lower():
             out.update(engine_refusal(kind, f"Trainer(strategy={strategy})"))
             break
+    out.update(sharding_problems(trainer.lightning_module))  # FSDP1 flat parameters, as in every engine
     from ..misuse import closure_refusal
 
     for opt in trainer.optimizers[:1]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._compat import shadow_method, unshadow_method
+from .._shard import zero_touching
 from ..act import drop_grads
 from ..data import batch_len, split_batch
 from ..oom import SKIPPED, OomRecovery, PieceFailed
@@ -115,8 +116,7 @@ class StepWrappers:
             if trainer.world_size > 1:
                 # Lightning refuses None under DDP: a zero loss that touches every parameter keeps the
                 # gradient all-reduce of every rank in step (no model forward runs)
-                return sum((p.reshape(-1)[:1].sum() for p in self._trainable(pl_module)),
-                           torch.zeros((), device=pl_module.device)) * 0.0
+                return zero_touching(self._trainable(pl_module), pl_module.device)
             return None  # no forward/backward; the step is dropped in on_before_optimizer_step
         try:
             return orig(*args, **kwargs)
