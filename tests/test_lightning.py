@@ -510,11 +510,11 @@ def test_ddp_two_ranks_fault_on_one_rank_identical_actions_and_params(tmp_path):
     assert r0["computed"] == r1["computed"] == 9
 
 
-def test_sharded_strategies_are_refused_at_attach_with_the_plain_loop_as_alternative(tmp_path):
-    """FSDP2 through Lightning (ModelParallelStrategy) is refused by the same table as every engine."""
+def test_model_parallel_strategy_fsdp2_is_guarded_with_the_unsharded_layer_names(tmp_path):
+    """FSDP2 through Lightning (ModelParallelStrategy, ``fully_shard`` in ``configure_model``), one
+    process: guarded (the 2-process runs are in tests/test_scale_engines.py)."""
     from lightning.pytorch.strategies import ModelParallelStrategy
-
-    from gradguard.adapter import ENGINE_REFUSALS
+    from torch.distributed.tensor import DTensor
 
     class Sharded(LitGPT):
         def configure_model(self):
@@ -524,15 +524,17 @@ def test_sharded_strategies_are_refused_at_attach_with_the_plain_loop_as_alterna
 
     cb = GradGuardCallback(cfg(tmp_path))
     env = dict(os.environ)
+    module = Sharded()
     try:
-        with pytest.raises(gg.UnsupportedSetupError, match=r"strategy=ModelParallelStrategy.*fully_shard") as err:
-            fit(Sharded(), [cb], tmp_path=tmp_path, steps=2, strategy=ModelParallelStrategy())
+        fit(module, [cb], tmp_path=tmp_path, steps=3, strategy=ModelParallelStrategy())
     finally:
         if torch.distributed.is_initialized():  # the strategy's one-process group: not left to later tests
             torch.distributed.destroy_process_group()
         os.environ.clear()  # nor its MASTER_PORT / WORLD_SIZE / RANK variables (a later child process
         os.environ.update(env)  # would take them for a distributed launch)
-    assert ENGINE_REFUSALS["fsdp"][1] in str(err.value)  # the same reason and fix as under every engine
+    assert isinstance(next(module.parameters()), DTensor) and cb.core.measurer.sharding is not None
+    assert cb.core.step_count == 3 and cb.last_report.total_norm > 0
+    assert not any("_fsdp" in name or "_flat_param" in name for name in cb.last_report.layer_norms)
 
 
 def test_the_callback_pickles_with_the_trainer(tmp_path):

@@ -16,12 +16,14 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_RUNS: dict[tuple[str, str], tuple[dict, dict]] = {}
+_RUNS: dict[tuple[str, str, str], tuple[dict, dict]] = {}
 
 
-def run(tmp_path_factory, strategy: str, scenario: str = "default") -> tuple[dict, dict]:
-    """Both ranks' results of one 2-process run (cached per module: several tests read one run)."""
-    key = (strategy, scenario)
+def run(tmp_path_factory, strategy: str, scenario: str = "default",
+        worker: str = "plain_dist_worker.py") -> tuple[dict, dict]:
+    """Both ranks' results of one 2-process run of ``tests/<worker>`` (cached per session: several
+    tests read one run)."""
+    key = (strategy, scenario, worker)
     if key not in _RUNS:
         out = tmp_path_factory.mktemp(f"{strategy}-{scenario}")
         with socket.socket() as s:
@@ -29,7 +31,7 @@ def run(tmp_path_factory, strategy: str, scenario: str = "default") -> tuple[dic
             port = s.getsockname()[1]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-               os.path.join(ROOT, "tests", "plain_dist_worker.py"), str(out), strategy, scenario]
+               os.path.join(ROOT, "tests", worker), str(out), strategy, scenario]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         _RUNS[key] = tuple(json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))  # type: ignore[assignment]

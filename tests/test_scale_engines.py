@@ -1,0 +1,61 @@
+"""Scale-out in the engines: ``lightning.Trainer`` with ``GradGuardCallback`` under ``strategy="ddp"``,
+``ModelParallelStrategy`` (FSDP2: ``fully_shard`` in ``configure_model``) and ``FSDPStrategy`` (FSDP1,
+``use_orig_params=True``), two gloo processes on the CPU (tests/lightning_shard_worker.py under
+torchrun). Faults exist on rank 1 only (a NaN loss at step 4, a loss spike at steps 6-7): both ranks
+must take the same actions at the same steps, with the norms of one process and the weights of DDP."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_scale import close, run
+
+pytestmark = pytest.mark.slow
+
+WORKER = "lightning_shard_worker.py"
+SHARDED = ["model_parallel", "fsdp"]
+
+
+def lit(tmp_path_factory, strategy: str, scenario: str = "default") -> tuple[dict, dict]:
+    return run(tmp_path_factory, strategy, scenario, worker=WORKER)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", *SHARDED])
+def test_lightning_fault_on_one_rank_same_actions_norms_of_one_process_weights_of_ddp(tmp_path_factory, strategy):
+    r0, r1 = lit(tmp_path_factory, strategy)
+    assert r0["records"] == r1["records"]  # every step: the same findings, actions, skips, loss and norms
+    assert r0["params"] == r1["params"]  # every parameter (gathered when sharded) identical on both ranks
+    assert r0["sharded"] is (strategy != "ddp")
+    assert [(r["step"], r["actions"]) for r in r0["records"] if r["actions"]] == [
+        (7, [["rollback", 2], ["skip_data", None], ["lower_lr", None]])]
+    assert [r["step"] for r in r0["records"] if r["skipped"]] == [4, 6, 7]
+    assert r0["mult"] == r1["mult"] < 1 and r0["steps"] == r1["steps"] == 12
+    # the rollback's data window (1 batch) ran no forward on either rank, sharded or not
+    assert r0["window"] == r1["window"] == 1 and r0["actions"]["skip_data"] == 1
+    # per-layer norms of step 1 = those of the same network on both ranks' batches in one process,
+    # under the unsharded names
+    first = r0["records"][0]["norms"]
+    assert set(first) == set(r0["ref"]) == {"net.layers.0", "net.layers.1", "net.layers.2"}
+    for layer, ref in r0["ref"].items():
+        assert first[layer] == pytest.approx(ref, rel=1e-6)
+    if strategy != "ddp":  # each rank restored its own shards: the gathered weights are DDP's
+        assert close(r0["params"], lit(tmp_path_factory, "ddp")[0]["params"])
+
+
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_lightning_sharded_resume_restores_the_guard_on_every_rank(tmp_path_factory, strategy):
+    r0, r1 = lit(tmp_path_factory, strategy, "resume")
+    for r in (r0, r1):
+        # the checkpoint of step 8 (rank 0 writes the callbacks' state): a new callback on each rank
+        # carries on with the same LR cut, counters and clip
+        assert r["ckpt"] == "epoch=0-step=8.ckpt"
+        assert r["before"]["actions"] == {"rollback": 1, "lower_lr": 1, "skip_data": 1}
+        assert r["restored"] == r["before"] and r["restored"]["mult"] < 1
+        assert r["steps"] == 12
+    assert r0["mult"] == r1["mult"] and r0["params"] == r1["params"]
+
+
+def test_lightning_fsdp1_flat_parameters_are_refused_at_attach_with_the_alternative(tmp_path_factory):
+    r0, r1 = lit(tmp_path_factory, "fsdp_flat")
+    for r in (r0, r1):
+        assert "use_orig_params=False" in r["refused"] and "use_orig_params=True" in r["refused"]
