@@ -1,7 +1,7 @@
 """What every engine adapter does the same way, implemented once.
 
 * :func:`refuse_unsupported`: the setups an engine does not guard (:data:`ENGINE_REFUSALS`: DeepSpeed
-  everywhere, FSDP under the HF and Lightning callbacks, FSDP1 flat parameters; optimizers that update
+  everywhere, FSDP under the HF callback, FSDP1 flat parameters; optimizers that update
   inside backward): :class:`UnsupportedSetupError` at attach when the policy acts; in monitor mode a
   warning, and the guard stands aside (it must never be what stops a run the engine accepts).
 * :func:`stand_aside`: a run with nothing to watch (Lightning's mock optimizer when
@@ -96,18 +96,21 @@ def restore_guard_state(core: Any, config: GuardConfig, guard: dict[str, Any] | 
 
 
 #: Distributed setups refused in every engine alike: ``{kind: (why, alternative)}``. The plain loop
-#: (:class:`gradguard.Guard`) guards DDP, FSDP2 (``fully_shard``) and FSDP1 with
-#: ``use_orig_params=True``; the HF and Lightning callbacks guard DDP.
+#: (:class:`gradguard.Guard`) and the Lightning callback (``strategy="ddp"``, ``ModelParallelStrategy``,
+#: ``FSDPStrategy``) guard DDP, FSDP2 (``fully_shard``) and FSDP1 with ``use_orig_params=True``; the
+#: HF callback guards DDP (its FSDP: ``"fsdp"``). FSDP1 with flat parameters is refused everywhere
+#: (:func:`sharding_problems`).
 ENGINE_REFUSALS: dict[str, tuple[str, str]] = {
     "deepspeed": ("DeepSpeed steps the optimizer, scales the loss and clips inside its engine, so gradguard can "
                   "neither measure the pre-clip gradients nor skip a step safely",
                   "train with DDP, or shard with FSDP2 (torch.distributed.fsdp.fully_shard) in a plain loop "
-                  "guarded by gradguard.Guard; or remove gradguard"),
-    "fsdp": ("gradguard guards sharded training in the plain loop only: this engine's FSDP integration (its "
-             "wrapping, clipping and checkpoint restore) is not supported",
-             "train with DDP under this engine, or shard with FSDP2 (torch.distributed.fsdp.fully_shard) or "
-             "FullyShardedDataParallel(use_orig_params=True) in a plain loop guarded by gradguard.Guard; or "
-             "remove the callback"),
+                  "guarded by gradguard.Guard or under Lightning's ModelParallelStrategy; or remove gradguard"),
+    "fsdp": ("the HF Trainer's FSDP (through accelerate) is not guarded: accelerate shards only on an accelerator "
+             "(on the CPU it refuses FSDP1 and trains FSDP2 settings as plain DDP), so gradguard's handling of its "
+             "wrapping, clipping and sharded checkpoints has not been tested",
+             "train with DDP under the HF Trainer, or shard with Lightning (ModelParallelStrategy with fully_shard, "
+             "or FSDPStrategy) or in a plain loop (torch.distributed.fsdp.fully_shard) guarded by gradguard.Guard; "
+             "or remove the callback"),
 }
 
 

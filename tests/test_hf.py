@@ -324,7 +324,8 @@ def test_validation_errors_name_field_value_and_fix(tmp_path):
     opt = torch.optim.AdamW(tiny_gpt2().parameters())
     with pytest.raises(gg.ConfigError, match=r"deepspeed=.*gradient_clipping=1\.0.*Fix:"):
         cb._validate(_args(deepspeed={"gradient_clipping": 1.0}), opt)
-    with pytest.raises(gg.UnsupportedSetupError, match=r"fsdp='full_shard'.*Fix: .*fully_shard.*gradguard\.Guard"):
+    with pytest.raises(gg.UnsupportedSetupError, match=r"fsdp='full_shard'.*accelerate shards only on an "
+                       r"accelerator.*Fix: .*ModelParallelStrategy.*fully_shard.*gradguard\.Guard"):
         cb._validate(_args(fsdp="full_shard"), opt)
     with pytest.raises(gg.ConfigError, match=r"optim='adalomo'.*Fix:"):
         cb._validate(_args(optim="adalomo"), opt)

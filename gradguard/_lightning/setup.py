@@ -31,7 +31,8 @@ from .state import apply_pending
 __all__ = ["unsupported", "nothing_to_watch", "LightningLoggerSink", "live_sinks", "console_writer", "start",
            "attach", "remove_wrappers", "teardown_core"]
 
-# strategy class names (substring) -> ENGINE_REFUSALS kind; ModelParallelStrategy is FSDP2 (+ TP)
+# strategy class names (substring) -> ENGINE_REFUSALS kind. FSDPStrategy (FSDP1) and ModelParallelStrategy
+# (FSDP2 via fully_shard in configure_model) are guarded: the core measures and snapshots the shards
 _REFUSED_STRATEGIES = {"DeepSpeed": "deepspeed"}
 
 class LightningLoggerSink(Sink):
