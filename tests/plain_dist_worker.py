@@ -48,12 +48,18 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def wrap(model: nn.Module, strategy: str) -> nn.Module:
     if strategy == "ddp":
         return nn.parallel.DistributedDataParallel(model)
-    if strategy == "fsdp2":
+    if strategy in ("fsdp2", "hsdp"):
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None
+        if strategy == "hsdp":  # hybrid sharding: 2 replicas x 2 shards, a 2-D device mesh
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, torch.distributed.get_world_size() // 2),
+                                    mesh_dim_names=("replicate", "shard"))
         for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     if strategy in ("fsdp1", "fsdp1_orig"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

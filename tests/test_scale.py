@@ -16,25 +16,25 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_RUNS: dict[tuple[str, str, str], tuple[dict, dict]] = {}
+_RUNS: dict[tuple[str, str, str, int], tuple[dict, ...]] = {}
 
 
 def run(tmp_path_factory, strategy: str, scenario: str = "default",
-        worker: str = "plain_dist_worker.py") -> tuple[dict, dict]:
+        worker: str = "plain_dist_worker.py", nproc: int = 2) -> tuple[dict, ...]:
     """Both ranks' results of one 2-process run of ``tests/<worker>`` (cached per session: several
     tests read one run)."""
-    key = (strategy, scenario, worker)
+    key = (strategy, scenario, worker, nproc)
     if key not in _RUNS:
         out = tmp_path_factory.mktemp(f"{strategy}-{scenario}")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
                os.path.join(ROOT, "tests", worker), str(out), strategy, scenario]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        _RUNS[key] = tuple(json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))  # type: ignore[assignment]
+        _RUNS[key] = tuple(json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc))
     return _RUNS[key]
 
 
@@ -106,3 +106,15 @@ def test_fsdp2_a_snapshot_damaged_on_one_rank_all_ranks_roll_back_to_the_same_ol
     assert [a[:3] for a in r0["actions"]] == [[7, "rollback", 0]]
     assert any("unreadable on another process" in p for e in r0["fallbacks"] for p in e["problems"])
     assert r0["log"] and r1["log"] is None  # one event log per run, written by rank 0
+
+
+def test_hybrid_sharding_2x2_mesh_norms_of_one_process_same_actions_on_four_ranks(tmp_path_factory):
+    """HSDP (FSDP2 on a 2-D mesh: 2 replicas x 2 shards, 4 processes): a replicated shard counts once."""
+    ranks = run(tmp_path_factory, "hsdp", nproc=4)
+    for r in ranks[1:]:
+        same_decisions(ranks[0], r)
+    r0 = ranks[0]
+    assert r0["world"] == 4 and r0["skipped"] == [4, 6, 7]
+    assert set(r0["norms"]) == set(r0["ref"]) == {"layers.0", "layers.1", "layers.2"}
+    for layer, ref in r0["ref"].items():
+        assert r0["norms"][layer] == pytest.approx(ref, rel=1e-6)
