@@ -128,7 +128,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
                                  policy={"ladder": [["rollback", "lower_lr"]]},
                                  recovery={"snapshot_interval": 2, "confirm_steps": 1,
                                            "skip_batches": 1},
-                                 detect={"warmup_steps": 3})
+                                 detect={"warmup_steps": 3}, clip={"max_norm": 0.3, "floor": 0.1})
     records: list[dict] = []
     restored: dict = {}
 
@@ -144,7 +144,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
             if r is None or (records and records[-1]["step"] == r.step):
                 return
             records.append({"step": r.step, "actions": [[a.name, a.params.get("to_step")] for a in r.actions],
-                            "skipped": bool(r.skipped), "findings": [f.kind for f in r.findings],
+                            "skipped": bool(r.skipped), "clipped": bool(r.clipped), "findings": [f.kind for f in r.findings],
                             "loss": r.loss, "total": r.total_norm, "norms": r.layer_norms})
 
     def trainer(steps: int, extra: list) -> L.Trainer:

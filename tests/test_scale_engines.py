@@ -30,6 +30,8 @@ def test_lightning_fault_on_one_rank_same_actions_norms_of_one_process_weights_o
         (7, [["rollback", 2], ["skip_data", None], ["lower_lr", None]])]
     assert [r["step"] for r in r0["records"] if r["skipped"]] == [4, 6, 7]
     assert r0["mult"] == r1["mult"] < 1 and r0["steps"] == r1["steps"] == 12
+    # clipped (max_norm 0.3) on healthy steps: by the global norm, else the sharded weights would not be DDP's
+    assert sum(r["clipped"] for r in r0["records"]) >= 5
     # the rollback's data window (1 batch) ran no forward on either rank, sharded or not
     assert r0["window"] == r1["window"] == 1 and r0["actions"]["skip_data"] == 1
     # per-layer norms of step 1 = those of the same network on both ranks' batches in one process,
