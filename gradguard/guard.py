@@ -113,13 +113,15 @@ class GuardCore:
     """The engine-agnostic guard and the engine API: adapters map their engine's hooks onto
     :class:`gradguard.contract.Event` and call these methods (see the README, "Adding an engine").
     ``collective`` (default: :func:`gradguard.contract.collective`) combines the step's measurement
-    over processes and votes on checkpoint restores; ``reduce`` overrides only the former."""
+    over processes and votes on checkpoint restores; ``reduce`` overrides only the former.
+    ``shard_root``: the engine's wrapper around ``model`` when it shards from outside it (an FSDP1
+    root unit around a LightningModule), read for the sharding layout."""
 
     def __init__(self, model: nn.Module, optimizer: Any, *, config: GuardConfig | None = None,
                  sinks: list[Sink] | None = None, out_dir: str | None = None,
                  layer_fn: Callable[[str], str] | None = None, scheduler: Any = None,
                  scaler: Any = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 collective: Collective | None = None) -> None:
+                 collective: Collective | None = None, shard_root: nn.Module | None = None) -> None:
         config = GuardConfig.coerce(config)
         if not isinstance(model, nn.Module):
             raise UnsupportedSetupError(f"gradguard: model={type(model).__name__} is not a torch.nn.Module. "
@@ -135,7 +137,11 @@ class GuardCore:
         self._check_optimizer_covers_model()
         self.measurer = GradMeasurer(self.layers)
         # FSDP: local pieces measured, summed by the step's one reduction (gradguard._shard)
-        self.measurer.sharding = sharding(model, self.collective.world_size, self.reduce)
+        # shard_root: the engine's wrapper around ``model`` (Lightning's FSDP1 root unit), where the
+        # sharding is read when the engine wraps the module from outside
+        self.shard_root = shard_root
+        self.measurer.sharding = sharding(shard_root if shard_root is not None else model,
+                                          self.collective.world_size, self.reduce)
         self.detectors = Detectors(config.detect)
         self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(model, self.layers))
         self._layers_version = self.layers.version
@@ -872,7 +878,7 @@ class GuardCore:
             "detectors": self.detectors.state_dict(), "policy": self.policy.state_dict(),
             "clip": self.clip.state_dict(), "lr": self.lr.state_dict(), "adam": self.adam.state_dict(),
             "snapshots": self.snapshots.state_dict() if self.snapshots is not None else None,
-            "grow_healthy": self._grow_healthy, "model_signature": model_signature(self.model),
+            "grow_healthy": self._grow_healthy, "model_signature": model_signature(self.model, self.shard_root),
             "checkpoints": self.checkpoint_tier.state_dict(),
             "config": self.config.to_dict(),  # compared on resume: gradguard.resume
             "action_log": self._advice_log(),  # the advice of a resumed run still sees them

@@ -54,14 +54,15 @@ def _strip(name: str) -> str:
     return name.replace("._orig_mod.", ".").replace("._fsdp_wrapped_module.", ".")
 
 
-def model_signature(model: nn.Module) -> str:
+def model_signature(model: nn.Module, root: nn.Module | None = None) -> str:
     """Hash of the model's parameter names and shapes (wrapper prefixes such as DDP's
     ``module.`` dropped, so a state saved unwrapped loads under DDP and vice versa). Sharded
     parameters count with their unsharded shapes (FSDP2 DTensors have them; FSDP1's local flat
-    pieces differ by rank), so every rank of a sharded run has the unsharded model's signature."""
+    pieces differ by rank), so every rank of a sharded run has the unsharded model's signature.
+    ``root``: the engine's FSDP1 wrapper around ``model``, if any (where those shapes are kept)."""
     from ._compat import fsdp1_full_shapes
 
-    full = fsdp1_full_shapes(model)
+    full = fsdp1_full_shapes(root if root is not None else model)
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         h.update(f"{_strip(name)}:{full.get(id(p), tuple(p.shape))};".encode())
@@ -147,10 +148,11 @@ def validate_core_state(core: Any, state: Any, version: int) -> None:
         if key in state and state[key] < 0:
             raise StateError(f"gradguard state {key}={state[key]!r}: must be >= 0. {_FIX}")
     sig = state.get("model_signature")
-    if sig is not None and sig != model_signature(core.model):
+    mine = model_signature(core.model, getattr(core, "shard_root", None)) if sig is not None else None
+    if sig is not None and sig != mine:
         raise StateError(
             f"gradguard state model_signature={sig!r}: saved from another model (this model's parameter "
-            f"names and shapes give {model_signature(core.model)!r}). Fix: load the state saved with this "
+            f"names and shapes give {mine!r}). Fix: load the state saved with this "
             "model, or start this run's guard without it")
     _counts("action_counts", state["action_counts"])
     _counts("culprits", state["culprits"])

@@ -1,13 +1,17 @@
 """Worker for tests/test_scale_engines.py: one rank of a 2-process CPU (gloo) ``lightning.Trainer`` run
 with ``GradGuardCallback`` under ``strategy="ddp"``, ``ModelParallelStrategy`` (FSDP2: ``fully_shard``
-in ``configure_model``) or ``FSDPStrategy`` (FSDP1). Faults exist on rank 1 only (a NaN loss at step
-4, a loss spike at steps 6-7: a rollback skips one batch of data after it). Writes what this rank saw to ``<out>/rank<R>.json``.
+in ``configure_model``) or ``FSDPStrategy`` (FSDP1: ``fsdp``, units wrapped in ``configure_model``;
+``fsdp_root``, one root unit around the LightningModule, as ``FSDPStrategy`` wraps without an
+``auto_wrap_policy``). Faults exist on rank 1 only (a NaN loss at step 4, a loss spike at steps
+6-7: a rollback skips one batch of data after it). Writes what this rank saw to
+``<out>/rank<R>.json``.
 
 ``FSDPStrategy`` on the CPU: Lightning refuses ``FSDPStrategy`` with ``accelerator="cpu"`` (its
 accelerator connector checks ``type(strategy) is FSDPStrategy``) and wraps with
 ``device_id=root_device.index`` (None on the CPU, which FSDP1 refuses without an accelerator). The
-test therefore uses a subclass (only the type check differs) and wraps the network itself in
-``configure_model`` with ``device_id=cpu`` (Lightning then leaves the wrapping alone): everything
+test therefore uses a subclass (the type check differs, and ``fsdp_root`` wraps with
+``device_id=cpu``) or wraps the network itself in ``configure_model`` with ``device_id=cpu``
+(Lightning then leaves the wrapping alone): everything
 else (process group, optimizer setup, clipping, checkpoint saving and loading) is Lightning's.
 Checkpoints are saved with ``state_dict_type="sharded"``: torch's FSDP1 full-state-dict gather
 crashes (SIGSEGV) on the CPU here, with or without gradguard.
@@ -62,6 +66,19 @@ def reference_norms(seed_state: dict, batches: list) -> dict[str, float]:
 class CpuFSDPStrategy(FSDPStrategy):
     """``FSDPStrategy`` past Lightning's GPU-only check (see the module docstring)."""
 
+    def __init__(self, *args, root: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.root = root
+
+    def _setup_model(self, model):
+        if not self.root:  # the network was wrapped in configure_model: Lightning leaves it
+            return super()._setup_model(model)
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        # as FSDPStrategy wraps the whole LightningModule (one root unit: no auto_wrap_policy), with
+        # the device_id FSDP1 needs on the CPU
+        return FSDP(module=model, device_id=torch.device("cpu"), sharding_strategy=self.sharding_strategy, **self.kwargs)
+
 
 class Lit(L.LightningModule):
     def __init__(self, strategy: str) -> None:
@@ -78,7 +95,7 @@ class Lit(L.LightningModule):
             for layer in self.net.layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.net, mesh=mesh)
-        elif self.kind.startswith("fsdp") and not isinstance(self.net, torch.distributed.fsdp.FullyShardedDataParallel):
+        elif self.kind in ("fsdp", "fsdp_flat") and not isinstance(self.net, torch.distributed.fsdp.FullyShardedDataParallel):
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -101,18 +118,18 @@ class Lit(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def gathered(module: Lit) -> list[float]:
-    """Every parameter of the network, unsharded, in a fixed order."""
+def gathered(module: Lit, root: nn.Module) -> list[float]:
+    """Every parameter of the network, unsharded, in a fixed order (``root``: the strategy's model)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.tensor import DTensor
 
-    net = module.net
     out: list[float] = []
-    if isinstance(net, torch.distributed.fsdp.FullyShardedDataParallel):
-        with torch.distributed.fsdp.FullyShardedDataParallel.summon_full_params(net):
-            for p in net.parameters():
+    if any(isinstance(m, FSDP) for m in root.modules()):
+        with FSDP.summon_full_params(root):
+            for p in module.net.parameters():
                 out.extend(p.detach().reshape(-1).tolist())
         return out
-    for p in net.parameters():
+    for p in module.net.parameters():
         t = p.detach()
         out.extend((t.full_tensor() if isinstance(t, DTensor) else t).reshape(-1).tolist())
     return out
@@ -153,7 +170,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
         elif strategy == "model_parallel":
             st = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         else:
-            st = CpuFSDPStrategy(state_dict_type="sharded")
+            st = CpuFSDPStrategy(state_dict_type="sharded", root=strategy == "fsdp_root")
         return L.Trainer(accelerator="cpu", devices=2, strategy=st, max_steps=steps, callbacks=[cb, Rec(), *extra],
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=bool(extra), default_root_dir=out, use_distributed_sampler=False)
@@ -192,7 +209,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
     batches: list = [None, None]
     torch.distributed.all_gather_object(batches, getattr(module, "first_batch", None))
     ref = reference_norms(seed, batches) if batches[0] is not None else {}
-    res.update({"rank": rank, "records": records, "ref": ref, "params": gathered(module),
+    res.update({"rank": rank, "records": records, "ref": ref, "params": gathered(module, t.strategy.model),
                 "mult": core.lr.global_mult, "clip": core.clip.max_norm, "steps": core.step_count,
                 "actions": dict(core.action_counts), "skipped": core.skipped_steps,
                 "sharded": core.measurer.sharding is not None, "names": [n for n, _ in module.named_parameters()], "window": cb.data_skipped_steps,

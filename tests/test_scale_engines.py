@@ -13,14 +13,14 @@ from tests.test_scale import close, run
 pytestmark = pytest.mark.slow
 
 WORKER = "lightning_shard_worker.py"
-SHARDED = ["model_parallel", "fsdp"]
+SHARDED = ["model_parallel", "fsdp"]  # fsdp: units wrapped in configure_model; fsdp_root: one root unit
 
 
 def lit(tmp_path_factory, strategy: str, scenario: str = "default") -> tuple[dict, dict]:
     return run(tmp_path_factory, strategy, scenario, worker=WORKER)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", *SHARDED])
+@pytest.mark.parametrize("strategy", ["ddp", *SHARDED, "fsdp_root"])
 def test_lightning_fault_on_one_rank_same_actions_norms_of_one_process_weights_of_ddp(tmp_path_factory, strategy):
     r0, r1 = lit(tmp_path_factory, strategy)
     assert r0["records"] == r1["records"]  # every step: the same findings, actions, skips, loss and norms
