@@ -57,7 +57,29 @@ def test_lightning_sharded_resume_restores_the_guard_on_every_rank(tmp_path_fact
     assert r0["mult"] == r1["mult"] and r0["params"] == r1["params"]
 
 
-def test_lightning_fsdp1_flat_parameters_are_refused_at_attach_with_the_alternative(tmp_path_factory):
-    r0, r1 = lit(tmp_path_factory, "fsdp_flat")
-    for r in (r0, r1):
-        assert "use_orig_params=False" in r["refused"] and "use_orig_params=True" in r["refused"]
+def test_lightning_fsdp1_flat_parameters_are_refused_at_attach_with_the_alternative(tmp_path):
+    """One process (a refusal needs no second rank): FSDPStrategy with use_orig_params=False."""
+    import os
+
+    import lightning.pytorch as L
+    import torch
+
+    import gradguard as gg
+    from gradguard.lightning import GradGuardCallback
+    from tests.lightning_shard_worker import BATCH, CpuFSDPStrategy, Lit, data
+
+    env = dict(os.environ)
+    cb = GradGuardCallback(gg.GuardConfig.preset("default", output={"console": False, "dir": str(tmp_path)}))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=CpuFSDPStrategy(), max_steps=2, callbacks=[cb],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, default_root_dir=str(tmp_path))
+    try:
+        with pytest.raises(gg.UnsupportedSetupError) as err:
+            trainer.fit(Lit("fsdp_flat"), torch.utils.data.DataLoader(data(), batch_size=BATCH))
+    finally:
+        if torch.distributed.is_initialized():  # the strategy's one-process group: not left to later tests
+            torch.distributed.destroy_process_group()
+        os.environ.clear()  # nor its MASTER_PORT / WORLD_SIZE / RANK variables
+        os.environ.update(env)
+    assert "use_orig_params=False" in str(err.value) and "use_orig_params=True" in str(err.value)
+    assert "fully_shard" in str(err.value)
