@@ -1,5 +1,5 @@
 #!/bin/bash
-# Run transformers' own Trainer tests three times (no callback, monitor, default) and compare.
+# Run transformers' own Trainer tests without the callback (twice), with monitor and with default; compare.
 # usage: benchmarks/engine_suites/run_hf.sh TESTS_ROOT RESULTS_DIR [TEST_FILE ...]
 #   TESTS_ROOT: a folder holding transformers' tests/ package (tests/__init__.py,
 #               tests/trainer/__init__.py, tests/trainer/trainer_test_utils.py and the test files),
@@ -15,8 +15,8 @@ FILES=("$@")
 cd "$ROOT"
 for f in "${FILES[@]}"; do
   tag=$(basename "${f%.py}")
-  for mode in none monitor default; do
-    m=$mode; [ "$m" = none ] && m=""
+  for mode in none none2 monitor default; do   # none2: the baseline again (unseeded tests show up)
+    m=$mode; [ "${m#none}" != "$m" ] && m=""
     rm -f "$OUT/$tag-$mode.jsonl"
     GG_ATTACH=$m GG_RECORD="$OUT/$tag-$mode.jsonl" OMP_NUM_THREADS=1 PYTHONPATH="$HERE:$ROOT:$REPO" \
       python -m pytest -q -p hf_attach -p no:cacheprovider --timeout 300 -o addopts="" \
