@@ -86,7 +86,9 @@ class TrainerLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.resizable:
             return
-        self.base_loader_batch = int(state.get("base_batch_size") or self.base_loader_batch)
+        base = state.get("base_batch_size")
+        if base and int(base) != self.base_loader_batch:
+            return  # resumed with another batch size than the saved run's: the user's new one stands
         bs = state.get("batch_size")
         if bs and self.loader_batch != bs:
             self.set_loader_batch(int(bs))

@@ -70,6 +70,8 @@ def resume(core: GuardCore, runner: StepRunner, batches: TrainerLoader | None, c
     runner.load_state_dict(found)
     if batches is not None:
         batches.load_state_dict(found)
+        if batches.resizable:  # the LR's linear scaling follows the batch the run resumes with
+            core.lr.batch_scale = batches.batch_size / batches.base_batch_size
     core.emit({"type": "resume", "step": state.global_step, "restored": True, "guard_step": core.step_count})
 
 
