@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -243,7 +244,8 @@ def accumulation_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
 def fused_layer_sq_norms(grads: list[torch.Tensor], groups: list[list[int]], index: torch.Tensor,
                          out: torch.Tensor, *, native: bool = False,
                          foreach: list[bool] | None = None,
-                         weights: torch.Tensor | None = None) -> list[torch.Tensor | None]:
+                         weights: torch.Tensor | None = None,
+                         stacks: list[torch.Tensor] | None = None) -> list[torch.Tensor | None]:
     """The step's one pass over the gradients: per-tensor L2 norms (one fused kernel per (device,
     dtype) group of ``groups``), squared and summed per layer into ``out`` (``out[l]`` = sum of the
     squared norms of the gradients whose ``index`` entry is ``l``; ``index`` follows the
@@ -254,8 +256,9 @@ def fused_layer_sq_norms(grads: list[torch.Tensor], groups: list[list[int]], ind
     computes them (so that the engine's total can be derived from them). ``foreach``: per group,
     whether the fused kernel applies (computed when not given). ``weights`` (in the order of
     ``grads``): factors of the squared norms (sharded gradients: a local shard's weight makes the
-    step's mean reduction return the global sum). Returns the per-tensor norms in the order of
-    ``grads``."""
+    step's mean reduction return the global sum). ``stacks``: a list that receives each group's
+    norms stacked in their own dtype, as ``clip_grad_norm_`` stacks them. Returns the per-tensor
+    norms in the order of ``grads``."""
     per_tensor: list[torch.Tensor | None] = [None] * len(grads)
     parts = []
     for k, positions in enumerate(groups):
@@ -264,6 +267,8 @@ def fused_layer_sq_norms(grads: list[torch.Tensor], groups: list[list[int]], ind
         for i, n in zip(positions, norms):
             per_tensor[i] = n
         stacked = torch.stack([n.to(norms[0].device) for n in norms]) if len(groups) > 1 else torch.stack(norms)
+        if stacks is not None:
+            stacks.append(stacked)
         if stacked.device != out.device or stacked.dtype != out.dtype:
             stacked = stacked.to(device=out.device, dtype=out.dtype, non_blocking=True)
         parts.append(stacked)
@@ -340,22 +345,30 @@ class GradMeasurer:
         return buf
 
     def _engine_total_of(self, engine: EngineClip, grads: list[torch.Tensor],
-                per_tensor: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                         per_tensor: list[torch.Tensor | None],
+                         stacks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``clip_grad_norm_``'s total norm and clamped coefficient for the engine's parameters, from
         the norms just computed (None when the engine clips a gradient the layer map does not hold)."""
-        pos = {id(g): i for i, g in enumerate(grads)}
-        engine_grads = [p.grad for p in engine.params if p.grad is not None]
-        if not engine_grads:
-            return None
-        picked = []
-        for g in engine_grads:
-            i = pos.get(id(g))
-            if i is None:
+        params = engine.params
+        if len(stacks) == 1 and len(params) == len(grads) == len(self.layers.params) \
+                and all(map(operator.is_, params, self.layers.params)):
+            # the usual case: the engine clips the layer map's parameters in the same order, all with
+            # gradients, one (device, dtype) group: clip_grad_norm_'s stack is the one just made
+            total = torch.linalg.vector_norm(stacks[0], 2)
+        else:
+            pos = {id(g): i for i, g in enumerate(grads)}
+            engine_grads = [p.grad for p in params if p.grad is not None]
+            if not engine_grads:
                 return None
-            picked.append(per_tensor[i])
-        first = engine_grads[0].device
-        norms = [picked[i] for grp in _groups(engine_grads) for i in grp]  # clip_grad_norm_'s order
-        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2)  # type: ignore[union-attr]
+            picked = []
+            for g in engine_grads:
+                i = pos.get(id(g))
+                if i is None:
+                    return None
+                picked.append(per_tensor[i])
+            first = engine_grads[0].device
+            norms = [picked[i] for grp in _groups(engine_grads) for i in grp]  # clip_grad_norm_'s order
+            total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2)  # type: ignore[union-attr]
         coef = torch.clamp(engine.max_norm / (total + 1e-6), max=1.0)
         return total, coef
 
@@ -384,16 +397,19 @@ class GradMeasurer:
         buf = self._buffer(device, dtype, size)
         engine_vals = None
         if plan is not None:
+            stacks: list[torch.Tensor] | None = [] if engine is not None else None
             try:
                 per_tensor = fused_layer_sq_norms(grads, plan.groups, plan.index, buf[:n_layers],
-                                                  native=engine is not None, foreach=plan.foreach, weights=weights)
+                                                  native=engine is not None, foreach=plan.foreach, weights=weights,
+                                                  stacks=stacks)
             except RuntimeError:  # a gradient changed dtype or device under a cached plan
                 self._plans.clear()
                 plan = self._plan(grads, owners)
+                stacks = [] if engine is not None else None
                 per_tensor = fused_layer_sq_norms(grads, plan.groups, plan.index, buf[:n_layers],
-                                                  native=engine is not None, weights=weights)
+                                                  native=engine is not None, weights=weights, stacks=stacks)
             if engine is not None:
-                engine_vals = self._engine_total_of(engine, grads, per_tensor)
+                engine_vals = self._engine_total_of(engine, grads, per_tensor, stacks or [])
         else:
             buf[:n_layers].zero_()
         for i, e in enumerate(extra_list):

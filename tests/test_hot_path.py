@@ -57,17 +57,19 @@ def _stack(dtypes: list[torch.dtype]) -> nn.Module:
     [torch.float32, torch.bfloat16, torch.float64, torch.float16],
 ], ids=["fp32", "bf16", "fp16", "fp64", "mixed"])
 @pytest.mark.parametrize("max_norm", [1e-3, 0.5, 1e9])
-def test_engine_clip_replay_is_bitwise_clip_grad_norm(dtypes, max_norm):
+@pytest.mark.parametrize("order", ["reversed", "same"])
+def test_engine_clip_replay_is_bitwise_clip_grad_norm(dtypes, max_norm, order):
     """The per-layer pass also gives clip_grad_norm_'s total and scales exactly as it would: any float
-    dtype, dtypes mixed in one model, the engine's parameter order different from the model's,
-    gradients spanning 6 orders of magnitude (fp16 norms overflowing to inf included)."""
+    dtype, dtypes mixed in one model, the engine's parameter order different from the model's or the
+    same (then the pass's own stack of norms is reused), gradients spanning 6 orders of magnitude
+    (fp16 norms overflowing to inf included)."""
     for seed in range(12):
         m = _stack(dtypes)
         gen = torch.Generator().manual_seed(seed)
         for p in m.parameters():
             scale = 10.0 ** int(torch.randint(-3, 4, (1,), generator=gen))
             p.grad = (torch.randn(p.shape, generator=gen) * scale).to(p.dtype)
-        engine_order = list(m.parameters())[::-1]
+        engine_order = list(m.parameters())[::-1] if order == "reversed" else list(m.parameters())
         twins = []
         for p in engine_order:
             q = torch.zeros_like(p)
@@ -82,6 +84,22 @@ def test_engine_clip_replay_is_bitwise_clip_grad_norm(dtypes, max_norm):
         assert same_bits([torch.tensor(got.engine_norm, dtype=torch.float64)],
                          [want.detach().double()])
         assert got.extras == [2.5]
+
+
+def test_engine_total_reuses_the_pass_stack_when_the_engine_clips_the_same_parameters(monkeypatch):
+    """The engine clipping the layer map's parameters in its order (Lightning, HF): its total comes
+    from the pass's own stack of norms (one torch.stack per step, not two)."""
+    m = _stack([torch.float32] * 3)
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    meas = GradMeasurer(LayerMap(m))
+    calls = []
+    orig = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    meas.measure([1.0], engine=EngineClip(list(m.parameters()), 0.5))
+    assert len(calls) == 1
+    meas.measure([1.0], engine=EngineClip(list(m.parameters())[::-1], 0.5))
+    assert len(calls) == 3  # another order: clip_grad_norm_'s own stack is made
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
