@@ -15,9 +15,16 @@ Variants (``clip`` is the unguarded engine with its own clipping at 1.0, the bas
 * Lightning: ``none`` (no clipping), ``clip`` (``gradient_clip_val=1.0``), ``grad_norm_log``
   (``clip`` plus Lightning's documented ``grad_norm`` logging in ``on_before_optimizer_step``),
   ``monitor`` and ``default`` (``gradient_clip_val=1.0``).
-* plain loop: ``none``, ``clip`` (``clip_grad_norm_(1.0)``), ``monitor`` (``Guard`` monitor preset,
-  vs ``none``: a monitor guard in the plain loop does not clip), ``default`` (``Guard`` default
-  preset clipping at 1.0, vs ``clip``).
+* plain loop: ``none``, ``clip`` (``clip_grad_norm_(1.0)``), ``monitor`` (the user's
+  ``clip_grad_norm_(1.0)`` then ``guard.step`` with the monitor preset, which leaves clipping to the
+  user; vs ``clip``), ``default`` (``Guard`` default preset clipping at 1.0, vs ``clip``).
+
+Garbage collection: a full ``gc.collect()`` runs at the end of step ``warm`` in every variant alike,
+before the steady-state clock starts. Without it, the one-off full collection of the objects the
+engine (and the previous run) left behind lands inside the window in some runs and not in others
+(100-700 ms on a 2-3 s window: the size of the differences the table is meant to resolve). The
+collections that still run inside the window are counted and timed (``gc_ms_per_step``,
+``gc_full``) beside each result.
 
 On CUDA (``--device cuda``) the model is GPT-2-small-sized (built from a config), bf16 autocast, and
 one steady-state step of every variant runs under ``torch.cuda.set_sync_debug_mode("warn")``: the
@@ -27,6 +34,7 @@ synchronizing calls it flags are counted (the engine's own included; the guard a
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import statistics
 import tempfile
@@ -56,7 +64,7 @@ SIZES: dict[str, dict[str, Any]] = {
 VARIANTS: dict[str, dict[str, str]] = {
     "hf": {"clip": "clip", "none": "clip", "monitor": "clip", "default": "clip"},
     "lightning": {"clip": "clip", "none": "clip", "grad_norm_log": "clip", "monitor": "clip", "default": "clip"},
-    "plain": {"clip": "clip", "none": "clip", "monitor": "none", "default": "clip"},
+    "plain": {"clip": "clip", "none": "clip", "monitor": "clip", "default": "clip"},
 }
 
 
@@ -92,7 +100,8 @@ class Windows(torch.utils.data.Dataset):
 
 
 class StepClock:
-    """Step-end times (and one step's CUDA sync count) for any engine."""
+    """Step-end times (and one step's CUDA sync count) for any engine; a full garbage collection
+    before the steady-state clock starts, and the collections inside the window counted."""
 
     def __init__(self, warm: int, cuda: bool) -> None:
         self.warm, self.cuda = warm, cuda
@@ -100,6 +109,28 @@ class StepClock:
         self.syncs: int | None = None
         self._catch: Any = None
         self._caught: list[Any] = []
+        self.gc_ns = 0  # time in garbage collections inside the window
+        self.gc_full = 0  # full (generation 2) collections inside the window
+        self._gc_t0 = 0
+        self._watching = False
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if not self._watching:
+            return
+        if phase == "start":
+            self._gc_t0 = time.perf_counter_ns()
+        else:
+            self.gc_ns += time.perf_counter_ns() - self._gc_t0
+            self.gc_full += info.get("generation") == 2
+
+    def stop(self) -> None:
+        """End of the run: stop watching the collector."""
+        self._watching = False
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
+
+    def gc_ms_per_step(self) -> float:
+        return self.gc_ns / 1e6 / max(1, len(self.times) - self.warm)
 
     def begin(self, step: int) -> None:
         """Before step ``step`` (1-based): the step after the warm-up is watched for CUDA syncs."""
@@ -117,6 +148,10 @@ class StepClock:
             self.syncs = sum("synchroniz" in str(w.message).lower() for w in self._caught)
         if self.cuda:
             torch.cuda.synchronize()
+        if step == self.warm:  # every variant alike: the start-up garbage is not collected in the window
+            gc.collect()
+            gc.callbacks.append(self._on_gc)
+            self._watching = True
         self.times.append(time.perf_counter())
 
     def steady_ms(self) -> float:
@@ -156,7 +191,9 @@ def run_hf(variant: str, size: str, steps: int, warm: int, device: str, out_dir:
     tr = Trainer(model=make_model(size), args=args, train_dataset=Windows(s["seq"], steps * s["batch"]),
                  callbacks=cbs)
     tr.train()
-    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs}
+    clock.stop()
+    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs, "gc_ms_per_step": clock.gc_ms_per_step(),
+                           "gc_full": clock.gc_full}
     if guard is not None and guard.core is not None:
         out["guard_transfers_per_step"] = guard.core.measurer.transfers / max(1, guard.core.step_count)
     return out
@@ -208,7 +245,9 @@ def run_lightning(variant: str, size: str, steps: int, warm: int, device: str, o
     module = LMGradNormLog() if variant == "grad_norm_log" else LM()
     loader = torch.utils.data.DataLoader(Windows(s["seq"], steps * s["batch"]), batch_size=s["batch"])
     trainer.fit(module, loader)
-    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs}
+    clock.stop()
+    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs, "gc_ms_per_step": clock.gc_ms_per_step(),
+                           "gc_full": clock.gc_full}
     if guard is not None and guard.core is not None:
         out["guard_transfers_per_step"] = guard.core.measurer.transfers / max(1, guard.core.step_count)
     return out
@@ -238,15 +277,17 @@ def run_plain(variant: str, size: str, steps: int, warm: int, device: str, out_d
         with amp:
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
+        if variant in ("clip", "monitor"):  # a monitor guard leaves clipping to the user
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
         if guard is not None:
             guard.step(loss)
         else:
-            if variant == "clip":
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
         opt.zero_grad(set_to_none=True)
         clock.end(step)
-    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs}
+    clock.stop()
+    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs, "gc_ms_per_step": clock.gc_ms_per_step(),
+                           "gc_full": clock.gc_full}
     if guard is not None:
         out["guard_transfers_per_step"] = guard.measurer.transfers / max(1, guard.step_count)
         guard.close()
@@ -353,6 +394,9 @@ def bench(engines: list[str], sizes: list[str], *, rounds: int, steps: int, warm
                     tr = [x["guard_transfers_per_step"] for x in runs[v] if "guard_transfers_per_step" in x]
                     if tr:
                         rows[v]["guard_transfers_per_step"] = round(statistics.median(tr), 3)
+                    if all("gc_ms_per_step" in x for x in runs[v]):
+                        rows[v]["gc_ms_per_step"] = [round(x["gc_ms_per_step"], 3) for x in runs[v]]
+                        rows[v]["gc_full"] = [x["gc_full"] for x in runs[v]]
                 out["engines"].setdefault(engine, {})[size] = rows
     n_params = {s: sum(p.numel() for p in make_model(s).parameters()) for s in sizes}
     out["sizes"] = {s: {**SIZES[s], "params": n_params[s]} for s in sizes}
@@ -397,8 +441,12 @@ def table(doc: dict[str, Any]) -> str:
                          f"{c['detect_policy_us']:.0f} us; the fused pass {c['measure_us']:.0f} us on CPU)"
                          for s, c in core.items())
     env = doc["environment"]
+    gc_note = (" A full garbage collection runs at step "
+               f"{eng['warm']} in every variant (the engine's start-up garbage kept out of the window)."
+               if any("gc_ms_per_step" in r for by in eng["engines"].values() for rows in by.values()
+                      for r in rows.values()) else "")
     lines += ["", f"Steady-state step time (step {eng['warm']} to {eng['steps']}), {eng['rounds']} interleaved rounds; "
               "baselines in ms, the others as the median [min, max] of their per-round ratio to the `vs` run; on "
-              f"{eng['device']} ({env['threads']} threads, torch {env['torch']}, {env['date']}). Core work: "
+              f"{eng['device']} ({env['threads']} threads, torch {env['torch']}, {env['date']}).{gc_note} Core work: "
               f"{core_txt or '-'}. Generated by `{doc['command']}`."]
     return "\n".join(lines) + "\n"

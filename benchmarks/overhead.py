@@ -513,6 +513,8 @@ def _write_engines(doc: dict[str, Any], out: str, stem: str) -> dict[str, Any]:
                           + (f", guard transfers/step {r['guard_transfers_per_step']:g}"
                              if "guard_transfers_per_step" in r else "")
                           + (f", CUDA syncs/step {r['cuda_syncs_per_step']:g}" if "cuda_syncs_per_step" in r else "")
+                          + (", GC in the window " + ", ".join(f"{g:.2f}" for g in r["gc_ms_per_step"]) + " ms/step ("
+                             + "/".join(str(n) for n in r["gc_full"]) + " full)" if "gc_ms_per_step" in r else "")
                           + ")")
     with open(os.path.join(out, stem + ".md"), "w", encoding="utf-8") as fh:
         fh.write("\n".join(md) + "\n")

@@ -133,6 +133,9 @@ def test_engine_overhead_harness_structure(tmp_path):
         assert set(rows) == variants
         for v, r in rows.items():
             assert r["step_ms_median"] > 0 and len(r["ratios"]) == 1
+            # the engine with its own clipping is every guarded variant's baseline (plain monitor: the
+            # user's clip_grad_norm_ then guard.step); collections inside the window are counted
+            assert r["vs"] == "clip" and len(r["gc_ms_per_step"]) == 1 and r["gc_ms_per_step"][0] >= 0
             if v in ("monitor", "default"):
                 assert r["guard_transfers_per_step"] == 1
     core = run["core_python"]["tiny"]
@@ -140,7 +143,9 @@ def test_engine_overhead_harness_structure(tmp_path):
     files = sorted(os.listdir(tmp_path))
     assert any(f.endswith(".json") for f in files) and any(f.endswith(".md") for f in files)
     assert not any(f.startswith("README") for f in files)
-    assert "| hf | `monitor` | `clip` |" in (tmp_path / [f for f in files if f.endswith(".md")][0]).read_text()
+    md = (tmp_path / [f for f in files if f.endswith(".md")][0]).read_text()
+    assert "| hf | `monitor` | `clip` |" in md and "| plain | `monitor` | `clip` |" in md
+    assert "A full garbage collection runs at step 2" in md and "GC in the window" in md
 
 
 def test_engine_overhead_cuda_skips_without_gpu(tmp_path, capsys):
