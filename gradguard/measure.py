@@ -7,6 +7,7 @@ import operator
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -315,6 +316,10 @@ class GradMeasurer:
         self.sharding: Any = None  # gradguard._shard.Sharding when parameters are sharded (FSDP)
 
     def grads(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The present gradients and the layer of each (do not modify the lists)."""
+        grads = [p.grad for p in self.layers.params]
+        if all(map(operator.is_not, grads, repeat(None))):  # the usual step: every gradient present
+            return grads, self.layers.layer_index
         grads, owners = [], []
         for p, li in zip(self.layers.params, self.layers.layer_index):
             g = p.grad
