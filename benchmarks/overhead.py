@@ -407,6 +407,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--rounds", type=int, help="with --engines: interleaved rounds (default 7; --quick 2)")
     ap.add_argument("--steps", type=int, help="with --engines: optimizer steps per run (default 60; --quick 20)")
     ap.add_argument("--warm", type=int, help="with --engines: steps before the steady state (default 10; --quick 5)")
+    ap.add_argument("--tag", help="with --engines: a suffix for the results files "
+                                  "(overhead-engines-<date>-<machine>-<tag>.{json,md}), so a partial run keeps the full one")
     ap.add_argument("--from-json", metavar="JSON", help="rebuild the Markdown and README table of an existing "
                                                        "results JSON (no measuring)")
     args = ap.parse_args(argv)
@@ -491,7 +493,8 @@ def main_engines(args: argparse.Namespace, argv: list[str] | None) -> dict[str, 
     command = "python benchmarks/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     doc = {"benchmark": "overhead-engines", "command": command.strip(), "device": args.device,
            "environment": environment(), "engines_run": run, "seconds": round(time.perf_counter() - t0, 1)}
-    stem = f"overhead-engines-{time.strftime('%Y-%m-%d')}-{tag}" + ("-quick" if args.quick else "")
+    stem = f"overhead-engines-{time.strftime('%Y-%m-%d')}-{tag}" + ("-quick" if args.quick else "") \
+        + (f"-{args.tag}" if args.tag else "")
     write_json(os.path.join(args.out, stem + ".json"), doc)
     return _write_engines(doc, args.out, stem)
 
@@ -520,7 +523,7 @@ def _write_engines(doc: dict[str, Any], out: str, stem: str) -> dict[str, Any]:
         fh.write("\n".join(md) + "\n")
     print(table)
     print(f"results: {os.path.join(out, stem)}.{{md,json}}")
-    custom = ("--quick", "--sizes", "--rounds", "--steps", "--warm")
+    custom = ("--quick", "--sizes", "--rounds", "--steps", "--warm", "--tag")
     if not any(flag in doc["command"] for flag in custom) and set(doc["engines_run"]["engines"]) == {
             "hf", "lightning", "plain"}:
         name = "README_overhead_engines_table.md" if doc["device"] == "cpu" else "README_overhead_engines_table_cuda.md"

@@ -123,7 +123,7 @@ def test_engine_overhead_harness_structure(tmp_path):
     """Every engine's variants run on a tiny model; the guarded ones make one transfer per step; the
     results file, the Markdown and the table are written; no README table for a custom run."""
     doc = overhead.main(["--engines", "plain,hf,lightning", "--sizes", "tiny", "--rounds", "1", "--steps", "4",
-                         "--warm", "2", "--threads", "1", "--out", str(tmp_path)])
+                         "--warm", "2", "--threads", "1", "--tag", "t", "--out", str(tmp_path)])
     run = doc["engines_run"]
     assert set(run["engines"]) == {"plain", "hf", "lightning"}
     for engine, variants in (("hf", {"none", "clip", "monitor", "default"}),
@@ -141,7 +141,7 @@ def test_engine_overhead_harness_structure(tmp_path):
     core = run["core_python"]["tiny"]
     assert 0 < core["detect_policy_us"] and 0 < core["measure_us"]
     files = sorted(os.listdir(tmp_path))
-    assert any(f.endswith(".json") for f in files) and any(f.endswith(".md") for f in files)
+    assert any(f.endswith("-t.json") for f in files) and any(f.endswith("-t.md") for f in files)
     assert not any(f.startswith("README") for f in files)
     md = (tmp_path / [f for f in files if f.endswith(".md")][0]).read_text()
     assert "| hf | `monitor` | `clip` |" in md and "| plain | `monitor` | `clip` |" in md
