@@ -18,6 +18,8 @@ __all__ = ["Signals", "Finding", "RobustBaseline", "NonFiniteDetector", "LossSpi
 INFO, WARNING, CRITICAL = "info", "warning", "critical"
 #: During warm-up the loss detector's noise term uses this fraction of ``loss_sigma``.
 EARLY_SIGMA_FRACTION = 0.5
+#: During warm-up the loss detector's reference is the highest of this many last healthy losses.
+RECENT = 3
 #: Finding kind of the quiet-degradation detector (:class:`NormTakeoverDetector`).
 NORM_TAKEOVER = "norm_takeover"
 _NUMBERED = re.compile(r"(^|\.)\d+(\.|$)")
@@ -152,11 +154,14 @@ class LossSpikeDetector:
     observed steps, so a noisy run is never stuck in warm-up.
 
     No finding comes from a single comparison: while the baseline holds one value there is no
-    spread to judge a jump against (two losses of a random-data run differ by 1.5x or more about
-    half the time), so a loss above the ratio is *held* and judged with the next one. If that one
-    is above the same threshold too, the loss stayed up: a finding (a real blow-up from the first
-    step, as with a far too high LR, keeps rising); if not, the held loss was noise and both join
-    the baseline."""
+    spread to judge a jump against (two losses of a random-data run, or of a small-batch
+    regression, differ by 1.5x or more about half the time), so a loss above the threshold is
+    *held* and judged with the next one. If that one is above the same threshold too and has not
+    fallen below the held loss / ``early_loss_ratio``, the loss stayed up: a finding (a real
+    blow-up, as with a far too high LR, keeps its level or rises); if not, the held loss was noise
+    and both join the baseline. The reference is the highest of the last :data:`RECENT` healthy
+    losses (not the lowest): a falling loss keeps it near the current level, and a noisy run's own
+    recent highs set its bar."""
 
     def __init__(self, cfg: DetectConfig) -> None:
         self.cfg = cfg
@@ -167,6 +172,7 @@ class LossSpikeDetector:
         self.min_loss: float | None = None  # lowest healthy loss (reported in the diagnosis)
         self.held: float | None = None  # a jump over the only earlier loss, judged with the next one
         self.streak: list[float] = []  # the losses of the current run of warm-up flags
+        self.recent: list[float] = []  # the last RECENT healthy losses (the warm-up reference)
 
     def _armed(self) -> bool:
         cfg = self.cfg
@@ -188,15 +194,21 @@ class LossSpikeDetector:
                                   message=f"loss {x:.4g} > {thr:.4g} (baseline {base.mean:.4g})")
                 base.update(thr, spike=True)
         elif base.mean is not None and base.prev is not None:
-            ref = min(base.prev, base.mean)
+            # the reference is the highest of the last few healthy losses: a falling loss keeps it
+            # close to the current level, a noisy one (small batches, heavy-tailed losses) keeps its
+            # own recent highs in it, so sampling noise is not read as a jump over a lucky low value
+            ref = max(self.recent) if self.recent else min(base.prev, base.mean)
             # few values, often from a falling loss: half the sigma multiplier of the armed rule
             noise = base.mean + EARLY_SIGMA_FRACTION * cfg.loss_sigma * base.sigma() if base.count >= 2 else 0.0
             thr = max(cfg.early_loss_ratio * ref, noise)
             if x > thr > 0 and base.count < 2 and self.held is None and self.early_flags == 0:
-                # one earlier value: no spread to judge against; the next loss decides
+                # few earlier values: too little spread to judge a jump against; the next loss decides
                 self.held = x
                 return []
-            if x > thr > 0:
+            # the loss stayed up: above the threshold, and not fallen far below the held jump (a
+            # noisy run's high value is followed by anything; a blow-up keeps its level or rises)
+            stayed = self.held is None or x > self.held / cfg.early_loss_ratio
+            if x > thr > 0 and stayed:
                 if self.held is not None:  # the loss stayed up: the held one was part of the run
                     self.streak.append(self.held)
                     self.held = None
@@ -219,12 +231,14 @@ class LossSpikeDetector:
                 base.update(v)
                 self.healthy += 1
                 self.min_loss = v if self.min_loss is None else min(self.min_loss, v)
+                self.recent = [*self.recent, v][-RECENT:]
             return []
         return [finding]
 
     def state_dict(self) -> dict[str, Any]:
         return {"base": self.base.state_dict(), "healthy": self.healthy, "min_loss": self.min_loss,
-                "seen": self.seen, "early_flags": self.early_flags, "held": self.held, "streak": list(self.streak)}
+                "seen": self.seen, "early_flags": self.early_flags, "held": self.held, "streak": list(self.streak),
+                "recent": list(self.recent)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.base.load_state_dict(state["base"])
@@ -234,6 +248,7 @@ class LossSpikeDetector:
         held = state.get("held")
         self.held = None if held is None else float(held)
         self.streak = [float(v) for v in state.get("streak", [])]
+        self.recent = [float(v) for v in state.get("recent", [])][-RECENT:]
 
 
 class GradSpikeDetector:

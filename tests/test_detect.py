@@ -143,3 +143,22 @@ def test_moderate_grad_spikes_are_clipped_not_escalated_severe_ones_escalate():
         assert not pol.decide(sig(step, loss=1.0), [Finding("grad_spike", CRITICAL, step)], grad_ratio=40.0).actions
     d = pol.decide(sig(70, loss=1.0), [Finding("grad_spike", CRITICAL, 70)], grad_ratio=40.0)
     assert d.unstable and [a.name for a in d.actions] == PolicyConfig().ladder[0]
+
+
+def test_warm_up_noise_of_a_small_batch_regression_is_not_a_spike_but_a_blow_up_is():
+    """Found by transformers' own Trainer tests with the default preset: a regression with batch
+    4 and no learning at all (lr 0) has per-batch losses from 6 to 35; the warm-up rule judged the
+    losses after a jump against the lucky low first loss and the policy escalated on pure noise
+    (findings at steps 3 and 4). The reference is now the highest of the last healthy losses, and
+    a held jump is confirmed only if the loss stays up; a real blow-up keeps its findings at the
+    same steps."""
+    noise = [6.7, 34.53, 10.86, 13.29, 6.08, 5.85, 5.84, 19.21, 13.46, 9.1, 12.0, 7.5]
+    det = LossSpikeDetector(DetectConfig())
+    assert [i for i, x in enumerate(noise, 1) if det.observe(sig(i, x))] == []
+    blow_up = [5.5, 5.6, 5.4, 9.0, 15.0, 40.0]
+    det = LossSpikeDetector(DetectConfig())
+    assert [i for i, x in enumerate(blow_up, 1) if det.observe(sig(i, x))] == [4, 5]
+    # the state carries the reference window
+    det2 = LossSpikeDetector(DetectConfig())
+    det2.load_state_dict(det.state_dict())
+    assert det2.recent == det.recent and len(det.recent) == 3

@@ -150,6 +150,12 @@ def test_resume_keeps_the_shrunk_batch_and_its_lr_scale(tmp_path):
     assert [m2.sizes(s) for s in (7, 8, 9)] == [[4]] * 3
     assert cb2.core.lr.batch_scale == 0.5 and m2.step_lrs[8][0] == pytest.approx(m2.base_lr[8] * 0.5)
     assert cb2.batches.base_batch_size == 8
+    # the same checkpoint resumed with another batch size (the user's change): theirs stands, full LR
+    m3, cb3 = Rec(), GradGuardCallback(c)
+    t3 = trainer_for(tmp_path, [cb3], steps=9)
+    t3.fit(m3, idx_loader(16, 256), ckpt_path=ckpt)
+    assert [m3.sizes(s) for s in (7, 8, 9)] == [[16]] * 3
+    assert cb3.core.lr.batch_scale == 1.0 and cb3.batches.base_batch_size == 16
 
 
 # -- 2. out of memory ---------------------------------------------------------------------------

@@ -242,7 +242,8 @@ class TrainerLoader:
                 "cap": self.cap}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.base_loader, self.base_acc = int(state["base_loader"]), int(state["base_acc"])
+        if (int(state["base_loader"]), int(state["base_acc"])) != (self.base_loader, self.base_acc):
+            return  # resumed with another batch size / accumulation than the saved run's: the user's stand
         self.cap = int(state["cap"])
         if (int(state["loader"]), int(state["acc"])) != self.target():
             self.pending = {"loader": int(state["loader"]), "acc": int(state["acc"])}

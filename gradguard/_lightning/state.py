@@ -67,4 +67,6 @@ def apply_pending(cb: Any) -> bool:
     cb.data_skipped_steps = int(st.get("data_skipped_steps", 0))
     if st.get("batches") and cb.batches is not None:
         cb.batches.load_state_dict(st["batches"])
+        # the LR's linear scaling follows the batch the run resumes with
+        cb.core.lr.batch_scale = cb.batches.batch_size / cb.batches.base_batch_size
     return st.get("core") is not None
