@@ -225,13 +225,15 @@ class LossSpikeDetector:
         if finding is None:
             # the held jump was noise; a run of flags that reached three was judged against a lucky low
             # reference: these join the baseline first. A run ended by a normal loss was a spike: dropped.
-            joining = ([self.held] if self.held is not None else []) + (self.streak if self.early_flags >= 3 else [])
+            lucky_low = self.early_flags >= 3
+            joining = ([self.held] if self.held is not None else []) + (self.streak if lucky_low else [])
             self.early_flags, self.held, self.streak = 0, None, []
             for v in [*joining, x]:
                 base.update(v)
                 self.healthy += 1
                 self.min_loss = v if self.min_loss is None else min(self.min_loss, v)
-                self.recent = [*self.recent, v][-RECENT:]
+                if not lucky_low:  # a run of flags keeps the reference: it stays up, it is flagged again
+                    self.recent = [*self.recent, v][-RECENT:]
             return []
         return [finding]
 
