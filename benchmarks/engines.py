@@ -163,6 +163,15 @@ def _guard_cfg(preset: str, out_dir: str) -> gg.GuardConfig:
     return gg.GuardConfig.preset(preset, output={"dir": out_dir, "console": False})
 
 
+
+def _result(clock: Any, core: Any) -> dict[str, Any]:
+    """One engine run's numbers: steady step time, host syncs, GC in the window, guard transfers."""
+    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs, "gc_ms_per_step": clock.gc_ms_per_step(),
+                           "gc_full": clock.gc_full}
+    if core is not None:
+        out["guard_transfers_per_step"] = core.measurer.transfers / max(1, core.step_count)
+    return out
+
 def run_hf(variant: str, size: str, steps: int, warm: int, device: str, out_dir: str) -> dict[str, Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -192,11 +201,7 @@ def run_hf(variant: str, size: str, steps: int, warm: int, device: str, out_dir:
                  callbacks=cbs)
     tr.train()
     clock.stop()
-    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs, "gc_ms_per_step": clock.gc_ms_per_step(),
-                           "gc_full": clock.gc_full}
-    if guard is not None and guard.core is not None:
-        out["guard_transfers_per_step"] = guard.core.measurer.transfers / max(1, guard.core.step_count)
-    return out
+    return _result(clock, guard.core if guard is not None else None)
 
 
 def run_lightning(variant: str, size: str, steps: int, warm: int, device: str, out_dir: str) -> dict[str, Any]:
@@ -246,11 +251,7 @@ def run_lightning(variant: str, size: str, steps: int, warm: int, device: str, o
     loader = torch.utils.data.DataLoader(Windows(s["seq"], steps * s["batch"]), batch_size=s["batch"])
     trainer.fit(module, loader)
     clock.stop()
-    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs, "gc_ms_per_step": clock.gc_ms_per_step(),
-                           "gc_full": clock.gc_full}
-    if guard is not None and guard.core is not None:
-        out["guard_transfers_per_step"] = guard.core.measurer.transfers / max(1, guard.core.step_count)
-    return out
+    return _result(clock, guard.core if guard is not None else None)
 
 
 def run_plain(variant: str, size: str, steps: int, warm: int, device: str, out_dir: str) -> dict[str, Any]:
@@ -286,10 +287,8 @@ def run_plain(variant: str, size: str, steps: int, warm: int, device: str, out_d
         opt.zero_grad(set_to_none=True)
         clock.end(step)
     clock.stop()
-    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs, "gc_ms_per_step": clock.gc_ms_per_step(),
-                           "gc_full": clock.gc_full}
+    out = _result(clock, guard)  # the plain Guard has the core's measurer and step count itself
     if guard is not None:
-        out["guard_transfers_per_step"] = guard.measurer.transfers / max(1, guard.step_count)
         guard.close()
     return out
 
