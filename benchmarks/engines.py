@@ -2,10 +2,16 @@
 
 Run through ``benchmarks/overhead.py --engines hf,lightning,plain`` (see its docstring). Every variant
 trains the same model (same initial weights, same batches) for ``steps`` optimizer steps in a fresh
-engine; the step time is the steady state from step ``warm`` to the last step (wall time between the
-two step ends / steps). Rounds are interleaved (every round runs every variant once, in a rotating
-order) and the ratio of a variant is taken against its baseline *in the same round*; the table gives
-the median [min, max] of those per-round ratios.
+engine. The variants of a round run *interleaved step by step* in one process (:class:`Baton`): each
+run is a thread, only the holder of the baton runs, and at every step end it hands the baton to the
+next variant, so all of them advance one step each in turn and share every fast or slow second of the
+machine; the process is pinned to one core (no migration between steps). A variant's step time is its
+own active time from step ``warm`` to the last step, divided by the steps (the mean: work that comes
+every N steps is included). The ratio of a variant is taken against its baseline *in the same round*,
+and rounds rotate the order and build fresh model instances; the table gives the median [min, max]
+of the per-round ratios. Why rounds still differ by about +-1%: a fresh instance of the same model
+runs about 1% faster or slower for its whole life (where its tensors landed in memory), whatever the
+variant; the median over rounds takes that out.
 
 Variants (``clip`` is the unguarded engine with its own clipping at 1.0, the baseline):
 
@@ -15,9 +21,10 @@ Variants (``clip`` is the unguarded engine with its own clipping at 1.0, the bas
 * Lightning: ``none`` (no clipping), ``clip`` (``gradient_clip_val=1.0``), ``grad_norm_log``
   (``clip`` plus Lightning's documented ``grad_norm`` logging in ``on_before_optimizer_step``),
   ``monitor`` and ``default`` (``gradient_clip_val=1.0``).
-* plain loop: ``none``, ``clip`` (``clip_grad_norm_(1.0)``), ``monitor`` (the user's
-  ``clip_grad_norm_(1.0)`` then ``guard.step`` with the monitor preset, which leaves clipping to the
-  user; vs ``clip``), ``default`` (``Guard`` default preset clipping at 1.0, vs ``clip``).
+* plain loop: ``none``, ``clip`` (``clip_grad_norm_(1.0)``), ``monitor`` (``guard.step`` with the
+  monitor preset and ``clip={"mode": "fixed", "max_norm": 1.0}``: the user's clip applied by the
+  guard, bit-identical to ``clip_grad_norm_``, from its one pass; vs ``clip``), ``default``
+  (``Guard`` default preset clipping at 1.0, vs ``clip``).
 
 Garbage collection: a full ``gc.collect()`` runs at the end of step ``warm`` in every variant alike,
 before the steady-state clock starts. Without it, the one-off full collection of the objects the
@@ -34,10 +41,12 @@ synchronizing calls it flags are counted (the engine's own included; the guard a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -99,13 +108,49 @@ class Windows(torch.utils.data.Dataset):
         return {"input_ids": x, "labels": x}
 
 
+class Baton:
+    """Step-level interleaving of several engine runs in one process: each run is a thread, and only
+    the holder of the baton runs. At every step end the holder passes the baton to the next run in a
+    fixed order and waits for its next turn, so the runs advance one step each in turn and every
+    slow or fast second of the machine is shared by all of them (run after run, the same model
+    differs by several per cent from the machine alone; step by step the variants compare to a few
+    tenths of a per cent)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.order = list(names)
+        self.turn = {n: threading.Event() for n in names}
+        self.left = set(names)
+        self.lock = threading.Lock()
+
+    def wait(self, name: str) -> None:
+        self.turn[name].wait()
+        self.turn[name].clear()
+
+    def pass_on(self, name: str, finished: bool = False) -> None:
+        with self.lock:
+            if finished:
+                self.left.discard(name)
+            i = self.order.index(name)
+            for k in range(1, len(self.order) + 1):
+                nxt = self.order[(i + k) % len(self.order)]
+                if nxt in self.left:
+                    self.turn[nxt].set()
+                    return
+
+
+_SLOT = threading.local()  # the baton and the run's name in an interleaved run's thread
+
+
 class StepClock:
     """Step-end times (and one step's CUDA sync count) for any engine; a full garbage collection
-    before the steady-state clock starts, and the collections inside the window counted."""
+    before the steady-state clock starts, and the collections inside the window counted. In an
+    interleaved run (see :class:`Baton`) the clock runs only while this run holds the baton: the
+    times are the run's own active time (wall and process CPU time)."""
 
     def __init__(self, warm: int, cuda: bool) -> None:
         self.warm, self.cuda = warm, cuda
         self.times: list[float] = []
+        self.cpu: list[float] = []  # process CPU time (every thread of the process) at each step end
         self.syncs: int | None = None
         self._catch: Any = None
         self._caught: list[Any] = []
@@ -113,10 +158,14 @@ class StepClock:
         self.gc_full = 0  # full (generation 2) collections inside the window
         self._gc_t0 = 0
         self._watching = False
+        self.baton: Baton | None = getattr(_SLOT, "baton", None)
+        self.name: str = getattr(_SLOT, "name", "")
+        self._wall = self._cpu = 0.0  # active time before the current turn
+        self._t_wall, self._t_cpu = time.perf_counter(), time.process_time()  # the current turn's start
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if not self._watching:
-            return
+        if not self._watching or (self.baton is not None and getattr(_SLOT, "name", None) != self.name):
+            return  # another run's collection (gc callbacks run in the collecting thread)
         if phase == "start":
             self._gc_t0 = time.perf_counter_ns()
         else:
@@ -152,10 +201,30 @@ class StepClock:
             gc.collect()
             gc.callbacks.append(self._on_gc)
             self._watching = True
-        self.times.append(time.perf_counter())
+        wall = self._wall + time.perf_counter() - self._t_wall
+        cpu = self._cpu + time.process_time() - self._t_cpu
+        self.times.append(wall)
+        self.cpu.append(cpu)
+        if self.baton is not None:  # the next run's turn; the clock stands still until ours comes back
+            self._wall, self._cpu = wall, cpu
+            self.baton.pass_on(self.name)
+            self.baton.wait(self.name)
+            self._t_wall, self._t_cpu = time.perf_counter(), time.process_time()
 
     def steady_ms(self) -> float:
         t = self.times[self.warm - 1:]
+        return 1000 * (t[-1] - t[0]) / (len(t) - 1)
+
+    def steps_ms(self) -> list[float]:
+        """Wall time of every steady-state step (ms; active time in an interleaved run)."""
+        t = self.times[self.warm - 1:]
+        return [1000 * (b - a) for a, b in zip(t, t[1:])]
+
+    def steady_cpu_ms(self) -> float:
+        """CPU time of the whole process per steady-state step: the compute a step costs, without the
+        time the process waited for a core (on a shared machine the wall time also measures the
+        neighbours). Threads the engine or gradguard start are included."""
+        t = self.cpu[self.warm - 1:]
         return 1000 * (t[-1] - t[0]) / (len(t) - 1)
 
 
@@ -166,8 +235,9 @@ def _guard_cfg(preset: str, out_dir: str) -> gg.GuardConfig:
 
 def _result(clock: Any, core: Any) -> dict[str, Any]:
     """One engine run's numbers: steady step time, host syncs, GC in the window, guard transfers."""
-    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "syncs": clock.syncs, "gc_ms_per_step": clock.gc_ms_per_step(),
-                           "gc_full": clock.gc_full}
+    out: dict[str, Any] = {"step_ms": clock.steady_ms(), "cpu_ms": clock.steady_cpu_ms(), "syncs": clock.syncs,
+                           "gc_ms_per_step": clock.gc_ms_per_step(), "gc_full": clock.gc_full,
+                           "steps_ms": clock.steps_ms()}
     if core is not None:
         out["guard_transfers_per_step"] = core.measurer.transfers / max(1, core.step_count)
     return out
@@ -261,7 +331,10 @@ def run_plain(variant: str, size: str, steps: int, warm: int, device: str, out_d
     model = make_model(size).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     params = list(model.parameters())
-    guard = gg.Guard(model, opt, config=_guard_cfg(variant, out_dir)) if variant in ("monitor", "default") else None
+    cfg = _guard_cfg(variant, out_dir) if variant in ("monitor", "default") else None
+    if variant == "monitor":  # the user's clip at 1.0, applied by the monitor guard from its one pass
+        cfg = dataclasses.replace(cfg, clip=dataclasses.replace(cfg.clip, mode="fixed", max_norm=1.0))
+    guard = gg.Guard(model, opt, config=cfg) if cfg is not None else None
     data = Windows(s["seq"], steps * s["batch"])
     loader = torch.utils.data.DataLoader(data, batch_size=s["batch"])
 
@@ -278,7 +351,7 @@ def run_plain(variant: str, size: str, steps: int, warm: int, device: str, out_d
         with amp:
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
-        if variant in ("clip", "monitor"):  # a monitor guard leaves clipping to the user
+        if variant == "clip":
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         if guard is not None:
             guard.step(loss)
@@ -360,11 +433,43 @@ def _quiet_engines() -> None:
         transformers.logging.set_verbosity_error()
 
 
+def interleaved(engine: str, order: list[str], size: str, steps: int, warm: int, device: str,
+                dirs: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """One round: every variant's run in its own thread, advancing one step each in turn
+    (:class:`Baton`); only one thread runs at any time."""
+    baton = Baton(order)
+    out: dict[str, dict[str, Any]] = {}
+    errors: list[BaseException] = []
+
+    def one(v: str) -> None:
+        _SLOT.baton, _SLOT.name = baton, v
+        baton.wait(v)
+        try:
+            out[v] = RUNNERS[engine](v, size, steps, warm, device, dirs[v])
+        except BaseException as exc:  # reported after the round; the others must go on
+            errors.append(exc)
+        finally:
+            baton.pass_on(v, finished=True)
+
+    threads = [threading.Thread(target=one, args=(v,), name=f"bench-{v}", daemon=True) for v in order]
+    for t in threads:
+        t.start()
+    baton.turn[order[0]].set()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
 def bench(engines: list[str], sizes: list[str], *, rounds: int, steps: int, warm: int, device: str,
-          say: Callable[[str], None] | None = None) -> dict[str, Any]:
+          say: Callable[[str], None] | None = None, interleave: bool = True) -> dict[str, Any]:
     say = say or (lambda *a: print(*a, flush=True))
     _quiet_engines()
-    out: dict[str, Any] = {"engines": {}, "rounds": rounds, "steps": steps, "warm": warm, "device": device}
+    out: dict[str, Any] = {"engines": {}, "rounds": rounds, "steps": steps, "warm": warm, "device": device,
+                           "interleave": "step" if interleave else "run"}
+    if interleave:  # warnings filters are process-wide: set once, not per thread
+        warnings.simplefilter("ignore")
     with tempfile.TemporaryDirectory(prefix="gg-engines-") as tmp:
         for size in sizes:
             for engine in engines:
@@ -373,19 +478,26 @@ def bench(engines: list[str], sizes: list[str], *, rounds: int, steps: int, warm
                 t0 = time.perf_counter()
                 for r in range(rounds):
                     order = names[r % len(names):] + names[:r % len(names)]
-                    for v in order:
-                        d = os.path.join(tmp, f"{engine}-{size}-{v}-{r}")
+                    dirs = {v: os.path.join(tmp, f"{engine}-{size}-{v}-{r}") for v in order}
+                    for d in dirs.values():
                         os.makedirs(d, exist_ok=True)
+                    if interleave:
+                        got = interleaved(engine, order, size, steps, warm, device, dirs)
+                    else:
                         with warnings.catch_warnings():
                             warnings.simplefilter("ignore")
-                            runs[v].append(RUNNERS[engine](v, size, steps, warm, device, d))
+                            got = {v: RUNNERS[engine](v, size, steps, warm, device, dirs[v]) for v in order}
+                    for v in order:
+                        runs[v].append(got[v])
                     say(f"  {engine}/{size}: round {r + 1}/{rounds} ({time.perf_counter() - t0:.0f}s)")
                 rows = {}
                 for v in names:
                     base = VARIANTS[engine][v]
                     ratios = [a["step_ms"] / b["step_ms"] for a, b in zip(runs[v], runs[base])]
+                    cpu = [a["cpu_ms"] / b["cpu_ms"] for a, b in zip(runs[v], runs[base])]
                     rows[v] = {"vs": base, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
                                "ratio_max": max(ratios), "ratios": ratios,
+                               "cpu_ratio_median": statistics.median(cpu), "cpu_ratios": cpu,
                                "step_ms_median": statistics.median(x["step_ms"] for x in runs[v])}
                     syncs = [x["syncs"] for x in runs[v] if x.get("syncs") is not None]
                     if syncs:
@@ -444,7 +556,9 @@ def table(doc: dict[str, Any]) -> str:
                f"{eng['warm']} in every variant (the engine's start-up garbage kept out of the window)."
                if any("gc_ms_per_step" in r for by in eng["engines"].values() for rows in by.values()
                       for r in rows.values()) else "")
-    lines += ["", f"Steady-state step time (step {eng['warm']} to {eng['steps']}), {eng['rounds']} interleaved rounds; "
+    how = ("the variants of a round interleaved step by step in one process pinned to one core"
+           if eng.get("interleave") == "step" else "interleaved rounds")
+    lines += ["", f"Steady-state step time (step {eng['warm']} to {eng['steps']}, mean), {eng['rounds']} rounds, {how}; "
               "baselines in ms, the others as the median [min, max] of their per-round ratio to the `vs` run; on "
               f"{eng['device']} ({env['threads']} threads, torch {env['torch']}, {env['date']}).{gc_note} Core work: "
               f"{core_txt or '-'}. Generated by `{doc['command']}`."]

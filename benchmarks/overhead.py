@@ -487,8 +487,13 @@ def main_engines(args: argparse.Namespace, argv: list[str] | None) -> dict[str, 
     rounds = args.rounds or (2 if args.quick else 7)
     steps = args.steps or (20 if args.quick else 60)
     warm = args.warm or (5 if args.quick else 10)
+    pinned = None
+    if not cuda and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1:
+        pinned = max(os.sched_getaffinity(0))  # one core: the interleaved runs never migrate between steps
+        os.sched_setaffinity(0, {pinned})
     t0 = time.perf_counter()
     run = engines.bench(names, sizes, rounds=rounds, steps=steps, warm=warm, device=args.device)
+    run["pinned_cpu"] = pinned
     tag = ("cuda-" + torch.cuda.get_device_name(0).split()[-1].lower()) if cuda else f"cpu{torch.get_num_threads()}"
     command = "python benchmarks/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     doc = {"benchmark": "overhead-engines", "command": command.strip(), "device": args.device,

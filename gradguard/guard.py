@@ -988,6 +988,7 @@ class Guard(GuardCore):
         self._step_scheduler = scheduler is not None and not isinstance(scheduler, plateau)
         self.batches = batches
         self.halted: dict[str, Any] | None = None
+        self._clip_params: list[nn.Parameter] | None = None  # monitor with a fixed clip: see _users_clip
         self.oom = OomRecovery(self, lambda: list(self.model.parameters()), self._shrink_micro_to, monitor_too=True)
         if batches is not None:
             self.attach_data_skip(self._skip_data)
@@ -1046,6 +1047,17 @@ class Guard(GuardCore):
         self._loss_sum, self._loss_n = acc, 1
         return float("nan") if acc is None else float(acc)
 
+    def _users_clip(self) -> EngineClip | None:
+        """A guard that does not act (monitor) but has ``clip.mode="fixed"`` applies that fixed clip
+        the way ``clip_grad_norm_(model.parameters(), clip.max_norm)`` does, bit-identically, from
+        the step's one norm pass (instead of the user's own ``clip_grad_norm_``: a second pass)."""
+        clip = self.config.clip
+        if self.config.policy.act or clip.mode != "fixed":
+            return None
+        if self._clip_params is None:
+            self._clip_params = list(self.model.parameters())
+        return EngineClip(self._clip_params, float(clip.max_norm))
+
     def _shrink_micro_to(self, fits: int) -> tuple[int, int] | None:
         ctl = self.batches
         start = ctl.micro_batch_size
@@ -1058,10 +1070,13 @@ class Guard(GuardCore):
         if self.scaler is not None and not self._misuse.already_unscaled(self, self.scaler, opt):
             self.scaler.unscale_(opt)
         self._misuse.before(self, loss)
-        report = self.before_step(loss, scaler=self.scaler)
+        own_clip = self._users_clip()
+        report = self.before_step(loss, scaler=self.scaler, engine_clip=own_clip)
         self._misuse.after(self, report)
         if self.scaler is None:
             self._misuse.scaler_not_passed(self, report)
+        if report.applied and own_clip is not None and self.replay_engine_clip(report) is None:
+            report.engine_norm = float(torch.nn.utils.clip_grad_norm_(own_clip.params, own_clip.max_norm))
         if report.applied:
             if self.scaler is not None:
                 self.scaler.step(opt)

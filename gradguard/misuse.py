@@ -138,7 +138,9 @@ class MisuseWatch:
         else:
             self._zero_streak = 0
         norm = report.total_norm
-        owns_clip = core.config.policy.act and core.config.clip.mode != "off"  # else clipping is the user's job
+        clip = core.config.clip.mode
+        # the guard clips when it acts (any mode but off) and, in monitor mode, with a fixed clip it replays
+        owns_clip = clip != "off" and (core.config.policy.act or clip == "fixed")
         if owns_clip and math.isfinite(norm) and norm > 0:
             self._norms.append(norm)
             clip_at = _round_value(norm)

@@ -206,6 +206,57 @@ def test_monitor_clip_replay_is_bit_identical_under_amp(mode):
     assert same_bits(_amp_run(mode, guarded=True), _amp_run(mode, guarded=False))
 
 
+def _plain_guard_run(mode: str, guarded: bool, counter: CountNorms, steps: int = 6,
+                     clip: float = 0.05) -> tuple[list[torch.Tensor], list[int]]:
+    """The plain ``Guard``: a monitor guard given ``clip.mode='fixed'`` in place of the user's own
+    ``clip_grad_norm_``; returns the weights and the fused norm calls of every step."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if mode == "fp16-scaler" else None
+    cfg = gg.GuardConfig.preset("monitor", clip={"mode": "fixed", "max_norm": clip, "floor": clip},
+                                output={"jsonl": False, "console": False})
+    guard = gg.Guard(model, opt, config=cfg, scaler=scaler) if guarded else None
+    gen = torch.Generator().manual_seed(1)
+    calls = []
+    for _ in range(steps):
+        x, y = make_batch(gen)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+            loss = model(x, y)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        before = counter.calls
+        if guard is None:
+            if scaler is not None:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        else:
+            report = guard.step(loss)
+            assert report.applied and report.engine_norm is not None and report.engine_coef < 1
+        calls.append(counter.calls - before)
+        opt.zero_grad()
+    if guard is not None:
+        guard.close()
+    return [p.detach().clone() for p in model.parameters()], calls
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp16-scaler"])
+def test_plain_monitor_with_a_fixed_clip_applies_it_bit_identically_in_one_pass(monkeypatch, mode):
+    counter = CountNorms(monkeypatch)
+    ref, ref_calls = _plain_guard_run(mode, guarded=False, counter=counter)
+    got, calls = _plain_guard_run(mode, guarded=True, counter=counter)
+    assert same_bits(got, ref)
+    # the user's loop makes one norm pass per step; the guard makes one too (its per-layer pass also
+    # yields clip_grad_norm_'s total), plus the parameter / update norms on its log steps only
+    assert ref_calls == [1] * 6
+    assert [c for i, c in enumerate(calls, 1) if i % gg.GuardConfig().measure.log_interval] == [1] * len(
+        [i for i in range(1, 7) if i % gg.GuardConfig().measure.log_interval])
+
+
 # -- Lightning ---------------------------------------------------------------------------------------
 L = pytest.importorskip("lightning.pytorch")
 
