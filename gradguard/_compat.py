@@ -29,7 +29,7 @@ __all__ = [
     "swap_class", "check_features", "versions", "has_foreach_support", "device_dtype_groups", "HF_NORM_METHOD", "hf_norm_pass_plain",
     "pl_log_step", "pl_should_update_logs",
     "swap_class", "check_features", "versions", "dtensor_type", "fsdp1_units", "fsdp1_uses_orig_params",
-    "fsdp1_shard_size", "fsdp1_full_shapes",
+    "fsdp1_shard_size", "fsdp1_full_shapes", "ddp_wrapper", "ddp_broadcast_buffers_at_next_forward",
 ]
 
 _MISSING = object()
@@ -376,6 +376,28 @@ def pl_should_update_logs(trainer: Any) -> bool:
         every = int(getattr(trainer, "log_every_n_steps", 50) or 0)
         return bool(every) and (pl_log_step(trainer) + 1) % every == 0
     return bool(value)
+
+
+# -- torch.distributed: DDP ------------------------------------------------------------------------
+def ddp_wrapper(model: Any) -> Any | None:
+    """``model`` when it is a ``DistributedDataParallel`` wrapper (it has ``no_sync``), else None."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except Exception:  # pragma: no cover - torch built without distributed
+        return None
+    return model if isinstance(model, DistributedDataParallel) else None
+
+
+def ddp_broadcast_buffers_at_next_forward(ddp: Any, on: bool) -> bool:
+    """Whether DDP's next forward broadcasts rank 0's buffers. DDP decides it by its attribute
+    ``require_forward_param_sync`` (set by each forward: True after a synchronizing forward, False
+    after one under ``no_sync``). Returns False (nothing set) where the attribute is missing."""
+    if not hasattr(ddp, "require_forward_param_sync"):
+        warn_once("ddp-buffer-flag", "gradguard: this torch's DistributedDataParallel has no "
+                  "require_forward_param_sync; Guard.accumulate leaves DDP's buffer broadcast as it is")
+        return False
+    ddp.require_forward_param_sync = bool(on)
+    return True
 
 
 # -- torch.distributed: sharded parameters (FSDP2 DTensors, FSDP1) ----------------------------------

@@ -34,7 +34,7 @@ from .act import drop_grads
 from .adapter import free_memory
 from .policy import Action
 
-__all__ = ["OomRecovery", "PieceFailed", "SKIPPED"]
+__all__ = ["OomRecovery", "PieceFailed", "SKIPPED", "average_gradients"]
 
 T = TypeVar("T")
 
@@ -85,21 +85,10 @@ class OomRecovery:
         (the adapter then skips the step). Raises ``torch.OutOfMemoryError`` when even single
         samples do not fit."""
         self.events += 1
-        parts = 1
-        while True:
-            if touched:
-                drop_grads(self.params())
-                if earlier_grads:
-                    return self._skip(samples, message, where)
-            free_memory()  # outside any except block: the failed attempt's tensors can go
-            parts *= 2
-            if parts > samples:
-                raise torch.OutOfMemoryError(message)
-            try:
-                result = attempt(parts)
-                break
-            except PieceFailed as failed:
-                touched = touched or failed.touched
+        result, parts = self.split(attempt, samples=samples, message=message, touched=touched,
+                                   keep_earlier=earlier_grads)
+        if result is SKIPPED:
+            return self._skip(samples, message, where)
         fits = -(-samples // parts)
         moved = self.shrink_to(fits)
         params = {"samples": samples, "pieces": parts, "in": where, "step_skipped": False,
@@ -108,6 +97,75 @@ class OomRecovery:
                      f"out of memory in {where} ({message}): the same {samples} samples ran again in {parts} "
                      "pieces" + (f"; the micro-batch is {moved[1]} from now on" if moved else ""), params)
         return result
+
+    def split(self, attempt: Callable[[int], T], *, samples: int, message: str, touched: bool,
+              keep_earlier: bool = False) -> tuple[T, int]:
+        """The retry loop alone: ``attempt(parts)`` with 2, 4, 8 ... parts until it fits, the
+        gradients a failed attempt may have added dropped first. Returns ``(result, parts)``, or
+        ``(SKIPPED, 0)`` with every gradient dropped when ``keep_earlier`` (earlier micro-batches'
+        gradients are in) and an attempt touched them; raises ``torch.OutOfMemoryError`` when even
+        single samples do not fit."""
+        parts = 1
+        while True:
+            if touched:
+                drop_grads(self.params())
+                if keep_earlier:
+                    return SKIPPED, 0
+            free_memory()  # outside any except block: the failed attempt's tensors can go
+            parts *= 2
+            if parts > samples:
+                raise torch.OutOfMemoryError(message)
+            try:
+                return attempt(parts), parts
+            except PieceFailed as failed:
+                touched = touched or failed.touched
+
+    def agree(self, collective: Any, *, samples: int, parts: int, failed: bool, where: str = "forward",
+              params: list[torch.nn.Parameter] | None = None) -> list[bool]:
+        """Several processes (DDP through ``Guard.accumulate``): what every rank's step did with an
+        out-of-memory error, agreed in one reduction, and the same response on every rank.
+
+        Each rank gives its own outcome: ``parts`` (1: no error; else the pieces its samples fitted
+        in) and ``failed`` (even one sample did not fit). The reduction also carries which of
+        ``params`` hold a gradient on each rank (returned: held on any rank). Then, on every rank
+        alike: if a rank failed, its gradients are dropped everywhere and ``torch.OutOfMemoryError``
+        is raised on every rank (no rank is left waiting in a collective); else, if a rank ran out
+        of memory, every rank's micro-batch shrinks to what fitted on the rank that needed the most
+        pieces and one identical action is recorded (``ranks``: the ranks that ran out of memory)."""
+        dist = torch.distributed
+        world = int(collective.world_size)
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        params = params or []
+        device = params[0].device if params else torch.device("cpu")
+        packed = torch.zeros(2 * world + len(params), dtype=torch.float64, device=device)
+        packed[2 * rank] = float(parts if parts > 1 else 0)
+        packed[2 * rank + 1] = 1.0 if failed else 0.0
+        if params:
+            packed[2 * world:] = torch.tensor([p.grad is not None for p in params], dtype=torch.float64,
+                                              device=device)
+        got = (collective.mean(packed) * world).tolist()  # the one host read of the vote
+        pieces = [round(got[2 * r]) for r in range(world)]
+        failed_ranks = [r for r in range(world) if got[2 * r + 1] > 0.5]
+        has_grad = [v > 0.5 / world for v in got[2 * world:]]
+        if failed_ranks:
+            drop_grads(self.params())
+            raise torch.OutOfMemoryError(
+                f"gradguard: out of memory on rank(s) {failed_ranks} of {world} with a single sample of the step "
+                "(nothing left to split); every rank stops here so that none waits in a collective. Fix: a "
+                "smaller model or sequence, activation checkpointing, or more memory")
+        oom_ranks = [r for r in range(world) if pieces[r] > 1]
+        if oom_ranks:
+            self.events += 1
+            most = max(pieces)
+            fits = -(-samples // most)
+            moved = self.shrink_to(fits)
+            params_ = {"samples": samples, "pieces": most, "in": where, "step_skipped": False,
+                       "micro_batch": list(moved) if moved else [samples, samples], "ranks": oom_ranks}
+            self._record("oom_shrink_micro" if moved else "oom_retry",
+                         f"out of memory on rank(s) {oom_ranks} of {world}: their samples ran again in up to {most} "
+                         "pieces; every rank " + (f"runs micro-batches of {moved[1]} from now on" if moved
+                                                  else "keeps its micro-batch"), params_)
+        return has_grad
 
     def _skip(self, samples: int, message: str, where: str) -> Any:
         moved = self.shrink_to(max(1, samples // 2))
@@ -120,3 +178,34 @@ class OomRecovery:
 
     def _record(self, name: str, reason: str, params: dict[str, Any]) -> None:
         self.core.record(Action(name, self.core.step_count + 1, reason, params))
+
+
+def average_gradients(collective: Any, params: list[torch.nn.Parameter], has_grad: list[bool],
+                      bucket_elements: int = 1 << 24) -> None:
+    """Average the gradients of ``params`` over the processes, as DDP's reducer does, in buckets
+    of at most ``bucket_elements`` per device and dtype (one reduction each). A parameter with a
+    gradient on some rank only counts zeros on the others; one with none anywhere stays None."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+    for p, held in zip(params, has_grad):
+        if not held:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        groups.setdefault((p.grad.device, p.grad.dtype), []).append(p)
+    for group in groups.values():
+        bucket: list[torch.nn.Parameter] = []
+        size = 0
+        for p in group + [None]:  # type: ignore[list-item]
+            if p is not None and (not bucket or size + p.numel() <= bucket_elements):
+                bucket.append(p)
+                size += p.numel()
+                continue
+            if bucket:
+                flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+                flat = collective.mean(flat)
+                offset = 0
+                for q in bucket:
+                    n = q.numel()
+                    q.grad.copy_(flat[offset:offset + n].view_as(q.grad))
+                    offset += n
+            bucket, size = ([p], p.numel()) if p is not None else ([], 0)

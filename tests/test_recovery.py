@@ -248,3 +248,29 @@ def test_corrupted_data_window_recovers_where_clipping_does_not(tmp_path):
     assert guarded < 1.04 * clean  # and the guard undoes it
     assert summary["actions"]["rollback"] == 1 and summary["actions"]["revert_lr"] == 1
     assert 14 <= summary["skipped"] <= 17
+
+
+def test_average_gradients_in_buckets_keeps_values_and_missing_gradients():
+    """The DDP accumulate path's gradient sync (gradguard.oom.average_gradients), on a collective that
+    doubles what it averages (so a bucket that is not copied back shows): buckets split at
+    ``bucket_elements`` (in order), every bucket reduced once, a gradient held on no rank stays None and one
+    held on some rank only (per the vote) counts zeros here."""
+    from gradguard.oom import average_gradients
+
+    class Doubling:
+        world_size = 2
+        calls = 0
+
+        def mean(self, packed):
+            Doubling.calls += 1
+            return packed * 2
+
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in (3, 4, 5, 2)]
+    grads = [torch.randn(3), torch.randn(4), None, None]
+    for p, g in zip(ps, grads):
+        p.grad = None if g is None else g.clone()
+    average_gradients(Doubling(), ps, [True, True, False, True], bucket_elements=6)
+    assert Doubling.calls == 2  # [3] then [4, 2]: a bucket never grows past 6 elements
+    assert torch.equal(ps[0].grad, grads[0] * 2) and torch.equal(ps[1].grad, grads[1] * 2)
+    assert ps[2].grad is None  # no rank held one
+    assert torch.equal(ps[3].grad, torch.zeros(2))  # another rank held one: zeros here

@@ -118,3 +118,30 @@ def test_hybrid_sharding_2x2_mesh_norms_of_one_process_same_actions_on_four_rank
     assert set(r0["norms"]) == set(r0["ref"]) == {"layers.0", "layers.1", "layers.2"}
     for layer, ref in r0["ref"].items():
         assert r0["norms"][layer] == pytest.approx(ref, rel=1e-6)
+
+
+def test_ddp_out_of_memory_on_one_rank_every_rank_shrinks_the_same_way(tmp_path_factory):
+    """``Guard.accumulate`` on DDP: rank 1 alone cannot fit more than 3 samples from step 3 on. It runs
+    its samples again in pieces while rank 0 waits in no collective; then both ranks take the same
+    action, shrink their micro-batch alike, and train on the same averaged gradient as without the
+    error (the split changes only float rounding)."""
+    r0, r1 = run(tmp_path_factory, "ddp", "oom", worker="plain_oom_worker.py")
+    clean = run(tmp_path_factory, "ddp", "none", worker="plain_oom_worker.py")[0]
+    assert r0["error"] is None and r1["error"] is None
+    want = [[3, "oom_shrink_micro", {"samples": 8, "pieces": 4, "in": "forward", "step_skipped": False,
+                                     "micro_batch": [8, 2], "ranks": [1]}]]
+    assert r0["actions"] == r1["actions"] == want
+    assert r0["micro"] == r1["micro"] == [8, 8, 2, 2, 2, 2] and clean["micro"] == [8] * 6
+    assert r0["skipped"] == [] and r0["losses"] == r1["losses"]
+    assert r0["weights"] == r1["weights"]  # the replicas stay identical
+    assert clean["actions"] == [] and close(r0["params"], clean["params"], 1e-6)
+    assert r0["gain"] == r1["gain"] == 1.0  # rank 0's buffer broadcast, as DDP does
+    for layer, ref in r0["ref"].items():  # the gradient averaged over ranks = one process on both batches
+        assert r0["norms"][layer] == pytest.approx(ref, rel=1e-6)
+
+
+def test_ddp_a_sample_that_fits_on_no_rank_raises_on_every_rank_without_a_hang(tmp_path_factory):
+    r0, r1 = run(tmp_path_factory, "ddp", "oom_single", worker="plain_oom_worker.py")
+    for r in (r0, r1):
+        assert r["error"][0] == 3 and "rank(s) [1] of 2" in r["error"][1] and "single sample" in r["error"][1]
+        assert r["micro"] == [8, 8] and r["actions"] == []
