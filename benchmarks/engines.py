@@ -160,6 +160,9 @@ class StepClock:
         self._watching = False
         self.baton: Baton | None = getattr(_SLOT, "baton", None)
         self.name: str = getattr(_SLOT, "name", "")
+        self.accounted_ns = 0  # time inside the accounted functions (see :func:`account`), steady window
+        self._depth = 0
+        _SLOT.clock = self
         self._wall = self._cpu = 0.0  # active time before the current turn
         self._t_wall, self._t_cpu = time.perf_counter(), time.process_time()  # the current turn's start
 
@@ -177,6 +180,9 @@ class StepClock:
         self._watching = False
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self._on_gc)
+
+    def accounted_ms_per_step(self) -> float:
+        return self.accounted_ns / 1e6 / max(1, len(self.times) - self.warm)
 
     def gc_ms_per_step(self) -> float:
         return self.gc_ns / 1e6 / max(1, len(self.times) - self.warm)
@@ -228,6 +234,37 @@ class StepClock:
         return 1000 * (t[-1] - t[0]) / (len(t) - 1)
 
 
+_ACCOUNTED: set[tuple[int, str]] = set()
+
+
+def account(owner: Any, name: str) -> None:
+    """Count the time spent inside ``owner.name`` towards the running variant's accounted time
+    (:attr:`StepClock.accounted_ns`), in the steady window only and outermost calls only (an
+    accounted function calling another counts once). Installed once per process; a run's own
+    thread-local clock says whose time it is, so interleaved runs do not mix."""
+    if (id(owner), name) in _ACCOUNTED:
+        return
+    _ACCOUNTED.add((id(owner), name))
+    fn = getattr(owner, name)
+    if isinstance(owner, type) and isinstance(owner.__dict__.get(name), (staticmethod, classmethod)):
+        raise TypeError(f"account: {owner.__name__}.{name} is a static/class method")
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        clock = getattr(_SLOT, "clock", None)
+        if clock is None or not clock._watching or clock._depth:
+            return fn(*args, **kwargs)
+        clock._depth += 1
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clock.accounted_ns += time.perf_counter_ns() - t0
+            clock._depth -= 1
+
+    timed.__wrapped__ = fn  # type: ignore[attr-defined]
+    setattr(owner, name, timed)
+
+
 def _guard_cfg(preset: str, out_dir: str) -> gg.GuardConfig:
     return gg.GuardConfig.preset(preset, output={"dir": out_dir, "console": False})
 
@@ -237,7 +274,7 @@ def _result(clock: Any, core: Any) -> dict[str, Any]:
     """One engine run's numbers: steady step time, host syncs, GC in the window, guard transfers."""
     out: dict[str, Any] = {"step_ms": clock.steady_ms(), "cpu_ms": clock.steady_cpu_ms(), "syncs": clock.syncs,
                            "gc_ms_per_step": clock.gc_ms_per_step(), "gc_full": clock.gc_full,
-                           "steps_ms": clock.steps_ms()}
+                           "steps_ms": clock.steps_ms(), "accounted_ms": clock.accounted_ms_per_step()}
     if core is not None:
         out["guard_transfers_per_step"] = core.measurer.transfers / max(1, core.step_count)
     return out
@@ -245,10 +282,18 @@ def _result(clock: Any, core: Any) -> dict[str, Any]:
 def run_hf(variant: str, size: str, steps: int, warm: int, device: str, out_dir: str) -> dict[str, Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from gradguard._hf.norm import StepDecision
     from gradguard.hf import GradGuardCallback
 
     s = SIZES[size]
     clock = StepClock(warm, device.startswith("cuda"))
+    # accounted: the Trainer's norm pass (its clip) and everything the guard runs at the step boundary
+    account(Trainer, "_clip_grad_norm")
+    account(StepDecision, "engine_norm_pass")
+    for hook in ("on_pre_optimizer_step", "on_step_begin", "on_step_end", "on_optimizer_step", "on_log",
+                 "on_substep_end"):
+        if hook in GradGuardCallback.__dict__:
+            account(GradGuardCallback, hook)
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -277,10 +322,15 @@ def run_hf(variant: str, size: str, steps: int, warm: int, device: str, out_dir:
 def run_lightning(variant: str, size: str, steps: int, warm: int, device: str, out_dir: str) -> dict[str, Any]:
     import lightning.pytorch as pl
 
+    from gradguard._lightning import boundary
     from gradguard.lightning import GradGuardCallback
 
     s = SIZES[size]
     clock = StepClock(warm, device.startswith("cuda"))
+    # accounted: Lightning's clip (replayed from the guard's pass in monitor mode) and the guard's hooks
+    account(pl.LightningModule, "clip_gradients")
+    for fn in ("batch_start", "observe_loss", "before_optimizer_step", "after_optimizer_step"):
+        account(boundary, fn)
 
     class LM(pl.LightningModule):
         def __init__(self) -> None:
@@ -351,12 +401,15 @@ def run_plain(variant: str, size: str, steps: int, warm: int, device: str, out_d
         with amp:
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
+        t0 = time.perf_counter_ns()  # accounted: the clip and the optimizer step, or guard.step (both)
         if variant == "clip":
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         if guard is not None:
             guard.step(loss)
         else:
             opt.step()
+        if clock._watching:
+            clock.accounted_ns += time.perf_counter_ns() - t0
         opt.zero_grad(set_to_none=True)
         clock.end(step)
     clock.stop()
@@ -499,6 +552,12 @@ def bench(engines: list[str], sizes: list[str], *, rounds: int, steps: int, warm
                                "ratio_max": max(ratios), "ratios": ratios,
                                "cpu_ratio_median": statistics.median(cpu), "cpu_ratios": cpu,
                                "step_ms_median": statistics.median(x["step_ms"] for x in runs[v])}
+                    # the accounted time's difference to the baseline's, per round, in % of the baseline step
+                    added = [(a["accounted_ms"] - b["accounted_ms"]) / b["step_ms"]
+                             for a, b in zip(runs[v], runs[base])]
+                    rows[v]["accounted_ms_median"] = statistics.median(x["accounted_ms"] for x in runs[v])
+                    rows[v]["added_median"], rows[v]["added_min"], rows[v]["added_max"] = (
+                        statistics.median(added), min(added), max(added))
                     syncs = [x["syncs"] for x in runs[v] if x.get("syncs") is not None]
                     if syncs:
                         rows[v]["cuda_syncs_per_step"] = statistics.median(syncs)
@@ -537,8 +596,12 @@ def table(doc: dict[str, Any]) -> str:
                     cells.append("-")
                     continue
                 ms = f"{r['step_ms_median']:.1f} ms"
+                if "accounted_ms_median" in r:
+                    ms += f" (accounted {r['accounted_ms_median']:.2f} ms)"
+                added = (f"; accounted {r['added_median'] * 100:+.2f}% [{r['added_min'] * 100:+.2f}, "
+                         f"{r['added_max'] * 100:+.2f}]") if "added_median" in r else ""
                 cells.append(ms if v == r["vs"] else
-                             f"{_pct(r['ratio_median'])} [{_pct(r['ratio_min'])}, {_pct(r['ratio_max'])}]")
+                             f"{_pct(r['ratio_median'])} [{_pct(r['ratio_min'])}, {_pct(r['ratio_max'])}]{added}")
                 if "cuda_syncs_per_step" in r:
                     syncs.append(f"{r['cuda_syncs_per_step']:g}")
             row = [engine, f"`{v}`", "-" if v == VARIANTS[engine][v] else f"`{VARIANTS[engine][v]}`"] + cells
@@ -559,7 +622,11 @@ def table(doc: dict[str, Any]) -> str:
     how = ("the variants of a round interleaved step by step in one process pinned to one core"
            if eng.get("interleave") == "step" else "interleaved rounds")
     lines += ["", f"Steady-state step time (step {eng['warm']} to {eng['steps']}, mean), {eng['rounds']} rounds, {how}; "
-              "baselines in ms, the others as the median [min, max] of their per-round ratio to the `vs` run; on "
+              "baselines in ms, the others as the median [min, max] of their per-round ratio to the `vs` run. "
+              "*Accounted*: the time inside the functions where the variants differ (the engine's clip, the "
+              "guard's hooks and the norm pass it takes over; the plain loop's clip + `optimizer.step()` or "
+              "`guard.step()`), its difference to the baseline's in % of the baseline's step, median [min, max] "
+              "over rounds: what the guard adds, without the +-1-3% a fresh model instance varies by; on "
               f"{eng['device']} ({env['threads']} threads, torch {env['torch']}, {env['date']}).{gc_note} Core work: "
               f"{core_txt or '-'}. Generated by `{doc['command']}`."]
     return "\n".join(lines) + "\n"

@@ -138,6 +138,13 @@ def test_engine_overhead_harness_structure(tmp_path):
             assert r["vs"] == "clip" and len(r["gc_ms_per_step"]) == 1 and r["gc_ms_per_step"][0] >= 0
             if v in ("monitor", "default"):
                 assert r["guard_transfers_per_step"] == 1
+            # the accounted time (engine clip, guard hooks / guard.step) is measured in every variant
+            assert r["accounted_ms_median"] >= 0 and r["added_min"] <= r["added_median"] <= r["added_max"]
+            if v != "none":
+                assert r["accounted_ms_median"] > 0
+        assert rows["clip"]["added_median"] == 0.0
+        # unclipped, the accounted functions do less than the clipping baseline's
+        assert rows["none"]["accounted_ms_median"] < rows["clip"]["accounted_ms_median"]
     core = run["core_python"]["tiny"]
     assert 0 < core["detect_policy_us"] and 0 < core["measure_us"]
     files = sorted(os.listdir(tmp_path))
@@ -145,6 +152,7 @@ def test_engine_overhead_harness_structure(tmp_path):
     assert not any(f.startswith("README") for f in files)
     md = (tmp_path / [f for f in files if f.endswith(".md")][0]).read_text()
     assert "| hf | `monitor` | `clip` |" in md and "| plain | `monitor` | `clip` |" in md
+    assert "; accounted " in md and "*Accounted*" in md
     assert "A full garbage collection runs at step 2" in md and "GC in the window" in md
 
 
