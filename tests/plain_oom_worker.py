@@ -3,7 +3,8 @@ through ``Guard.accumulate`` (a ``BatchController`` per rank), with out-of-memor
 on rank 1 only. Writes what this rank saw to ``<out>/rank<R>.json``.
 
 Scenarios: ``none`` (no error), ``oom`` (from step 3 rank 1 cannot fit more than 3 samples in a
-forward), ``oom_single`` (at step 3 rank 1 cannot fit even one sample).
+forward), ``oom_single`` (at step 3 rank 1 cannot fit even one sample), ``shrink`` (a loss spike on
+rank 1 at steps 5-6 with the ``shrink_batch`` rung: every rank halves its global batch).
 
 usage: python -m torch.distributed.run --nproc_per_node 2 tests/plain_oom_worker.py OUT ddp SCENARIO
 """
@@ -25,7 +26,7 @@ from gradguard.data import BatchController  # noqa: E402
 from gradguard.measure import default_layer_name  # noqa: E402
 from tests._dist import shutdown  # noqa: E402
 
-STEPS = 6
+STEPS = 8
 BATCH = 8  # per rank and step
 
 
@@ -66,7 +67,10 @@ def main(out: str, strategy: str, scenario: str) -> None:
     model = nn.parallel.DistributedDataParallel(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ctl = BatchController(samples(rank), BATCH, shuffle=False)
-    conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out}, detect={"warmup_steps": 3})
+    over: dict = {"policy": {"ladder": [["shrink_batch"]]}, "recovery": {"snapshot_interval": 0}} \
+        if scenario == "shrink" else {}
+    conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out}, detect={"warmup_steps": 3},
+                                 **over)
     guard = gg.Guard(model, opt, config=conf, batches=ctl)
     state = {"step": 0}
 
@@ -81,9 +85,12 @@ def main(out: str, strategy: str, scenario: str) -> None:
 
     def loss_fn(mb: list[torch.Tensor]) -> torch.Tensor:
         x, y = mb
-        return nn.functional.cross_entropy(model(x), y)
+        loss = nn.functional.cross_entropy(model(x), y)
+        if scenario == "shrink" and rank == 1 and state["step"] in (5, 6):
+            loss = loss * 50  # a loss spike in rank 1's batches only
+        return loss
 
-    reports, error, micro = [], None, []
+    reports, error, micro, sizes = [], None, [], []
     for step, sb in enumerate(ctl, start=1):
         state["step"] = step
         try:
@@ -95,6 +102,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
         opt.zero_grad(set_to_none=True)
         reports.append(r)
         micro.append(ctl.micro_batch_size)
+        sizes.append(len(sb))
     # step 1's per-layer norms of the same model on every rank's first batch, in one process
     ref_model = MLP()
     ref_model.load_state_dict(start)
@@ -105,7 +113,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
     for name, p in ref_model.named_parameters():
         sq[default_layer_name(name)] = sq.get(default_layer_name(name), 0.0) + float(p.grad.double().square().sum())
     params = [v for p in model.parameters() for v in p.detach().reshape(-1).tolist()]
-    res = {"rank": rank, "error": error, "micro": micro, "gain": float(base.gain),
+    res = {"rank": rank, "error": error, "micro": micro, "sizes": sizes, "gain": float(base.gain),
            "actions": [[e["step"], e["name"], e["params"]] for e in guard._action_log],
            "oom_events": guard.oom.events,
            "skipped": [r.step for r in reports if r.skipped], "losses": [r.loss for r in reports],

@@ -131,7 +131,7 @@ def test_ddp_out_of_memory_on_one_rank_every_rank_shrinks_the_same_way(tmp_path_
     want = [[3, "oom_shrink_micro", {"samples": 8, "pieces": 4, "in": "forward", "step_skipped": False,
                                      "micro_batch": [8, 2], "ranks": [1]}]]
     assert r0["actions"] == r1["actions"] == want
-    assert r0["micro"] == r1["micro"] == [8, 8, 2, 2, 2, 2] and clean["micro"] == [8] * 6
+    assert r0["micro"] == r1["micro"] == [8, 8] + [2] * 6 and clean["micro"] == [8] * 8
     assert r0["skipped"] == [] and r0["losses"] == r1["losses"]
     assert r0["weights"] == r1["weights"]  # the replicas stay identical
     assert clean["actions"] == [] and close(r0["params"], clean["params"], 1e-6)
@@ -145,3 +145,12 @@ def test_ddp_a_sample_that_fits_on_no_rank_raises_on_every_rank_without_a_hang(t
     for r in (r0, r1):
         assert r["error"][0] == 3 and "rank(s) [1] of 2" in r["error"][1] and "single sample" in r["error"][1]
         assert r["micro"] == [8, 8] and r["actions"] == []
+
+
+def test_ddp_batch_shrink_on_every_rank_after_a_spike_on_one(tmp_path_factory):
+    """The ``shrink_batch`` rung under DDP (a ``BatchController`` per rank): a loss spike in rank 1's
+    batches only halves every rank's global batch at the same step, with the LR scaled alike."""
+    r0, r1 = run(tmp_path_factory, "ddp", "shrink", worker="plain_oom_worker.py")
+    assert r0["actions"] == r1["actions"] == [[6, "shrink_batch", {"rung": 1, "batch": [8, 4], "lr_scale": 0.5}]]
+    assert r0["sizes"] == r1["sizes"] == [8] * 6 + [4] * 4  # the same samples per step on both ranks
+    assert r0["skipped"] == r1["skipped"] == [5] and r0["weights"] == r1["weights"]
