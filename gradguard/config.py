@@ -395,6 +395,15 @@ class RecoveryConfig:
     grow_clip_steps: int = 100
     """Steps the tight clip is held after the batch grows back."""
 
+    oom_all_ranks: bool = False
+    """Lightning under DDP (``strategy="ddp"``, several processes): an out-of-memory error on one rank
+    is handled on every rank alike (that rank runs its samples again in pieces, then every rank's
+    micro-batch shrinks the same way), instead of being raised on that rank. To let one rank retry
+    alone, every micro-batch of a step runs without DDP's gradient sync and gradguard averages the
+    gradients over the ranks before the optimizer step (one all-reduce per bucket): that all-reduce
+    no longer overlaps the last backward. The plain loop's ``guard.accumulate`` on a DDP model always
+    works this way."""
+
     def __post_init__(self) -> None:
         _positive(self, "snapshot_interval", allow_zero=True, integer=True)
         _positive(self, "ring_size", integer=True)
@@ -406,6 +415,7 @@ class RecoveryConfig:
         _positive(self, "grow_clip_steps", integer=True, allow_zero=True)
         _flag(self, "restore_schedule")
         _flag(self, "restore_rng")
+        _flag(self, "oom_all_ranks")
         _optional_text(self, "disk_dir", "a folder path")
 
 

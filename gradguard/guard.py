@@ -1089,7 +1089,7 @@ class Guard(GuardCore):
                 except torch.OutOfMemoryError:
                     failed, acc = True, None
         params = [p for p in self.model.parameters() if p.requires_grad]
-        has_grad = self.oom.agree(self.collective, samples=samples, parts=parts, failed=failed, params=params)
+        has_grad, _ = self.oom.agree(self.collective, samples=samples, parts=parts, failed=failed, params=params)
         average_gradients(self.collective, params, has_grad)
         self._loss_sum, self._loss_n = acc, 1
         return float("nan") if acc is None else float(acc)

@@ -191,6 +191,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             self.decision.decided = False  # a step interrupted earlier (an exception) never leaves its decision behind
         if self.runner is not None:
             self.runner.micro_in_step = 0
+            self.runner.open_step()  # recovery.oom_all_ranks under DDP: this step's backwards sync nothing
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         core, decision = self.core, self.decision

@@ -120,52 +120,73 @@ class OomRecovery:
             except PieceFailed as failed:
                 touched = touched or failed.touched
 
-    def agree(self, collective: Any, *, samples: int, parts: int, failed: bool, where: str = "forward",
-              params: list[torch.nn.Parameter] | None = None) -> list[bool]:
-        """Several processes (DDP through ``Guard.accumulate``): what every rank's step did with an
-        out-of-memory error, agreed in one reduction, and the same response on every rank.
+    def agree(self, collective: Any, *, samples: int, parts: int, failed: bool, skipped: bool = False,
+              where: str = "forward", params: list[torch.nn.Parameter] | None = None) -> tuple[list[bool], bool]:
+        """Several processes under DDP (``Guard.accumulate``; Lightning with
+        ``recovery.oom_all_ranks``): what every rank's step did with an out-of-memory error, agreed
+        in one reduction, and the same response on every rank.
 
-        Each rank gives its own outcome: ``parts`` (1: no error; else the pieces its samples fitted
-        in) and ``failed`` (even one sample did not fit). The reduction also carries which of
-        ``params`` hold a gradient on each rank (returned: held on any rank). Then, on every rank
-        alike: if a rank failed, its gradients are dropped everywhere and ``torch.OutOfMemoryError``
-        is raised on every rank (no rank is left waiting in a collective); else, if a rank ran out
-        of memory, every rank's micro-batch shrinks to what fitted on the rank that needed the most
-        pieces and one identical action is recorded (``ranks``: the ranks that ran out of memory)."""
+        Each rank gives its own outcome: ``samples`` (its micro-batch), ``parts`` (1: no error; else
+        the pieces its samples fitted in), ``failed`` (even one sample did not fit) and ``skipped`` (its step's gradients had to
+        be dropped: the error hit after earlier micro-batches had added theirs). The reduction also
+        carries which of ``params`` hold a gradient on each rank. Then, on every rank alike: if a
+        rank failed, gradients are dropped everywhere and ``torch.OutOfMemoryError`` is raised on
+        every rank (no rank is left waiting in a collective); if a rank skipped, every rank drops
+        its gradients and skips the step (one ``oom_skip_step``); else, if a rank ran out of memory,
+        every rank's micro-batch shrinks to the smallest piece that fitted on a rank, with one
+        identical action (``ranks``: the ranks that ran out of memory). Returns ``(held,
+        skip)``: per parameter, whether a gradient is held on any rank, and whether the step is
+        skipped on every rank."""
         dist = torch.distributed
         world = int(collective.world_size)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         params = params or []
         device = params[0].device if params else torch.device("cpu")
-        packed = torch.zeros(2 * world + len(params), dtype=torch.float64, device=device)
-        packed[2 * rank] = float(parts if parts > 1 else 0)
-        packed[2 * rank + 1] = 1.0 if failed else 0.0
+        k = 4
+        packed = torch.zeros(k * world + len(params), dtype=torch.float64, device=device)
+        packed[k * rank] = float(parts if parts > 1 else 0)
+        packed[k * rank + 1] = 1.0 if failed else 0.0
+        packed[k * rank + 2] = 1.0 if skipped else 0.0
+        packed[k * rank + 3] = float(samples)
         if params:
-            packed[2 * world:] = torch.tensor([p.grad is not None for p in params], dtype=torch.float64,
+            packed[k * world:] = torch.tensor([p.grad is not None for p in params], dtype=torch.float64,
                                               device=device)
         got = (collective.mean(packed) * world).tolist()  # the one host read of the vote
-        pieces = [round(got[2 * r]) for r in range(world)]
-        failed_ranks = [r for r in range(world) if got[2 * r + 1] > 0.5]
-        has_grad = [v > 0.5 / world for v in got[2 * world:]]
+        pieces = [round(got[k * r]) for r in range(world)]
+        failed_ranks = [r for r in range(world) if got[k * r + 1] > 0.5]
+        skipped_ranks = [r for r in range(world) if got[k * r + 2] > 0.5]
+        sizes = [round(got[k * r + 3]) for r in range(world)]
+        has_grad = [v > 0.5 / world for v in got[k * world:]]
         if failed_ranks:
             drop_grads(self.params())
             raise torch.OutOfMemoryError(
                 f"gradguard: out of memory on rank(s) {failed_ranks} of {world} with a single sample of the step "
                 "(nothing left to split); every rank stops here so that none waits in a collective. Fix: a "
                 "smaller model or sequence, activation checkpointing, or more memory")
-        oom_ranks = [r for r in range(world) if pieces[r] > 1]
-        if oom_ranks:
-            self.events += 1
-            most = max(pieces)
-            fits = -(-samples // most)
-            moved = self.shrink_to(fits)
-            params_ = {"samples": samples, "pieces": most, "in": where, "step_skipped": False,
-                       "micro_batch": list(moved) if moved else [samples, samples], "ranks": oom_ranks}
-            self._record("oom_shrink_micro" if moved else "oom_retry",
-                         f"out of memory on rank(s) {oom_ranks} of {world}: their samples ran again in up to {most} "
-                         "pieces; every rank " + (f"runs micro-batches of {moved[1]} from now on" if moved
-                                                  else "keeps its micro-batch"), params_)
-        return has_grad
+        oom_ranks = [r for r in range(world) if pieces[r] > 1 or r in skipped_ranks]
+        if not oom_ranks:
+            return has_grad, False
+        self.events += 1
+        samples = max(sizes[r] for r in oom_ranks)  # the failed micro-batch (the same size on every rank, usually)
+        if skipped_ranks:
+            drop_grads(self.params())
+            moved = self.shrink_to(max(1, samples // 2))
+            self._record("oom_skip_step", f"out of memory on rank(s) {skipped_ranks} of {world} after earlier "
+                         "micro-batches of the step had added gradients: they cannot be separated, so every rank "
+                         "drops the step's gradients and skips it",
+                         {"samples": samples, "pieces": 0, "in": where, "step_skipped": True,
+                          "micro_batch": list(moved) if moved else [samples, samples], "ranks": oom_ranks})
+            return [False] * len(params), True
+        most = max(pieces)
+        fits = min(-(-sizes[r] // pieces[r]) for r in oom_ranks)
+        moved = self.shrink_to(fits)
+        self._record("oom_shrink_micro" if moved else "oom_retry",
+                     f"out of memory on rank(s) {oom_ranks} of {world}: their samples ran again in up to {most} "
+                     "pieces; every rank " + (f"runs micro-batches of {moved[1]} from now on" if moved
+                                              else "keeps its micro-batch"),
+                     {"samples": samples, "pieces": most, "in": where, "step_skipped": False,
+                      "micro_batch": list(moved) if moved else [samples, samples], "ranks": oom_ranks})
+        return has_grad, False
 
     def _skip(self, samples: int, message: str, where: str) -> Any:
         moved = self.shrink_to(max(1, samples // 2))

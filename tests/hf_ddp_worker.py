@@ -25,7 +25,13 @@ def main(out: str, mode: str) -> None:
     the run's checkpoint-* folders (no in-memory snapshots)."""
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
-    if mode == "memory":
+    if mode.startswith("oom"):
+        # oom: from step 3 rank 1 cannot fit more than 2 of its 4 samples (recovery.oom_all_ranks);
+        # oom_clean: no error, the same setting; oom_native: no error, DDP's own gradient sync
+        conf = gg.GuardConfig.preset("default", output={"console": False},
+                                     recovery={"snapshot_interval": 0, "oom_all_ranks": mode != "oom_native"})
+        save = dict(save_strategy="no")
+    elif mode == "memory":
         conf = gg.GuardConfig.preset("default", output={"console": False},
                                      policy={"ladder": [["rollback", "shrink_batch"]]},
                                      recovery={"skip_batches": 1})
@@ -38,7 +44,12 @@ def main(out: str, mode: str) -> None:
     args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], max_steps=8, per_device_train_batch_size=4,
                              learning_rate=2e-3, logging_steps=1, disable_tqdm=True, seed=0,
                              data_seed=0, dataloader_num_workers=0, ddp_backend="gloo", **save)
-    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=ByteDataset(), callbacks=[cb])
+    model = tiny_gpt2()
+    if mode.startswith("oom"):  # no dropout: a split micro-batch then gives the unsplit gradient up to rounding
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+    trainer = Trainer(model=model, args=args, train_dataset=ByteDataset(), callbacks=[cb])
     sizes: list[int] = []
 
     def hook(module, a, kwargs, output):
@@ -49,6 +60,13 @@ def main(out: str, mode: str) -> None:
         return output
 
     trainer.model.register_forward_hook(hook, with_kwargs=True)
+
+    def too_big(module, a, kwargs):
+        n = int(kwargs["input_ids"].shape[0])
+        if mode == "oom" and rank == 1 and module.training and trainer.state.global_step + 1 >= 3 and n > 2:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {n} samples on rank 1)")
+
+    trainer.model.register_forward_pre_hook(too_big, with_kwargs=True)
     trainer.train()
     digest = hashlib.sha256()
     for p in trainer.model.parameters():
@@ -57,6 +75,8 @@ def main(out: str, mode: str) -> None:
            "actions": [[r.step, a.name] for r in cb.reports for a in r.actions],
            "rollback_to": [a.params.get("to_step") for r in cb.reports for a in r.actions if a.name == "rollback"],
            "skipped": [r.step for r in cb.reports if r.skipped], "sizes": sizes, "weights": digest.hexdigest(),
+           "action_log": [[e["step"], e["name"], e["params"]] for e in cb.core._action_log],
+           "params": [v for p in trainer.model.parameters() for v in p.detach().reshape(-1)[:64].tolist()],
            "sampler": type(trainer.callback_handler.train_dataloader.batch_sampler).__name__,
            "logs": [[h["step"], h["loss"], h.get("gradguard/loss")] for h in trainer.state.log_history if "loss" in h]}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:

@@ -108,6 +108,8 @@ class Lit(L.LightningModule):
             self.first_batch = (x.clone(), y.clone())
         loss = nn.functional.cross_entropy(self.net(x), y)
         step = self.trainer.global_step + 1
+        if SCENARIO.startswith("oom"):
+            return loss
         if self.global_rank == 1 and step in (6, 7):
             loss = loss * 50  # a loss spike on rank 1 only
         if self.global_rank == 1 and step == 4:
@@ -135,7 +137,12 @@ def gathered(module: Lit, root: nn.Module) -> list[float]:
     return out
 
 
+SCENARIO = ""
+
+
 def main(out: str, strategy: str, scenario: str) -> None:
+    global SCENARIO
+    SCENARIO = scenario
     torch.set_num_threads(1)
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -146,8 +153,22 @@ def main(out: str, strategy: str, scenario: str) -> None:
                                  recovery={"snapshot_interval": 2, "confirm_steps": 1,
                                            "skip_batches": 1},
                                  detect={"warmup_steps": 3}, clip={"max_norm": 0.3, "floor": 0.1})
+    if scenario.startswith("oom"):
+        # oom: from step 3 rank 1 cannot fit more than 4 samples in a forward (recovery.oom_all_ranks);
+        # oom_clean: no error, the same setting; oom_native: no error, DDP's own gradient sync
+        conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out}, detect={"warmup_steps": 3},
+                                     recovery={"snapshot_interval": 0, "oom_all_ranks": scenario != "oom_native"})
+        rank_ = int(os.environ["RANK"])
+
+        def too_big(mod, args):
+            if scenario == "oom" and rank_ == 1 and mod.training and module.trainer.global_step + 1 >= 3 \
+                    and args[0].shape[0] > 4:
+                raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {args[0].shape[0]} samples on rank 1)")
+
+        module.net.layers[1].register_forward_pre_hook(too_big)
     records: list[dict] = []
     restored: dict = {}
+    batch_sizes: list[int] = []
 
     class Rec(L.Callback):
         def on_train_start(self, trainer, pl_module):
@@ -157,6 +178,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
                                 actions=dict(core.action_counts))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            batch_sizes.append(int(batch[0].shape[0]))
             r = cb.last_report
             if r is None or (records and records[-1]["step"] == r.step):
                 return
@@ -196,7 +218,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
             t.fit(module, loader, ckpt_path=path)
             res["restored"] = dict(restored)
         else:
-            t = trainer(12, [])
+            t = trainer(8 if scenario.startswith("oom") else 12, [])
             t.fit(module, loader)
     except gg.UnsupportedSetupError as exc:  # refused at attach, on every rank alike
         res = {"refused": str(exc)}
@@ -212,7 +234,9 @@ def main(out: str, strategy: str, scenario: str) -> None:
     res.update({"rank": rank, "records": records, "ref": ref, "params": gathered(module, t.strategy.model),
                 "mult": core.lr.global_mult, "clip": core.clip.max_norm, "steps": core.step_count,
                 "actions": dict(core.action_counts), "skipped": core.skipped_steps,
-                "sharded": core.measurer.sharding is not None, "names": [n for n, _ in module.named_parameters()], "window": cb.data_skipped_steps,
+                "sharded": core.measurer.sharding is not None,
+                "action_log": [[e["step"], e["name"], e["params"]] for e in core._action_log],
+                "batch_sizes": list(batch_sizes), "names": [n for n, _ in module.named_parameters()], "window": cb.data_skipped_steps,
                 "log": core.log_path if rank == 0 else None})
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(res, fh)

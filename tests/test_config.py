@@ -36,6 +36,7 @@ INVALID = [
     ({"policy": {"skip_nonfinite": 0}}, "GuardConfig.policy.skip_nonfinite", "0"),
     ({"recovery": {"restore_rng": "true"}}, "GuardConfig.recovery.restore_rng", "'true'"),
     ({"recovery": {"restore_schedule": None}}, "GuardConfig.recovery.restore_schedule", "None"),
+    ({"recovery": {"oom_all_ranks": "yes"}}, "GuardConfig.recovery.oom_all_ranks", "'yes'"),
     # numeric strings parse; other strings are a clear error
     ({"adam": {"eps": "tiny"}}, "GuardConfig.adam.eps", "'tiny'"),
     ({"policy": {"max_skip_streak": "2.5"}}, "GuardConfig.policy.max_skip_streak", "'2.5'"),

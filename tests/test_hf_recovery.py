@@ -261,3 +261,23 @@ def test_unreadable_checkpoint_falls_back_to_the_next_older_one(tmp_path):
     saved = load_file(str(tmp_path / "out" / "checkpoint-2" / "model.safetensors"))
     assert torch.equal(probe.wte[8], saved["transformer.wte.weight"])
     assert tr.state.global_step == 10 and all(torch.isfinite(p).all() for p in tr.model.parameters())
+
+
+@pytest.mark.slow
+def test_ddp_out_of_memory_on_one_rank_every_rank_shrinks_the_same_way(tmp_path):
+    """``recovery.oom_all_ranks``: from step 3 rank 1 alone cannot fit more than 2 of its 4 samples.
+    It runs them again in 2 chunks while rank 0 waits in no collective; both ranks record the same
+    action and split every later micro-batch alike, the replicas stay identical, and training
+    equals the unguarded-sync run without the error (DDP's own all-reduce) up to float rounding."""
+    (tmp_path / "oom").mkdir()
+    (tmp_path / "native").mkdir()
+    r0, r1 = run_ddp(tmp_path / "oom", "oom")
+    native = run_ddp(tmp_path / "native", "oom_native")[0]
+    assert r0["action_log"][0] == r1["action_log"][0] == [
+        3, "oom_shrink_micro", {"samples": 4, "pieces": 2, "in": "forward", "step_skipped": False,
+                                "micro_batch": [4, 2], "ranks": [1]}]
+    assert r0["action_log"] == r1["action_log"] and r0["weights"] == r1["weights"]
+    assert r0["sizes"] == [4] * 3 + [2] * 10 and r1["sizes"] == [4] * 2 + [2] * 12  # rank 1 split step 3 itself
+    assert r0["skipped"] == native["skipped"] == [4, 5]  # the loss fault of the worker, handled alike
+    assert [a[:2] for a in r0["action_log"][1:]] == [[s, n] for s, n, _ in native["action_log"]]
+    assert max(abs(a - b) for a, b in zip(r0["params"], native["params"])) < 1e-6

@@ -83,3 +83,23 @@ def test_lightning_fsdp1_flat_parameters_are_refused_at_attach_with_the_alternat
         os.environ.update(env)
     assert "use_orig_params=False" in str(err.value) and "use_orig_params=True" in str(err.value)
     assert "fully_shard" in str(err.value)
+
+
+def test_lightning_ddp_out_of_memory_on_one_rank_every_rank_shrinks_the_same_way(tmp_path_factory):
+    """``recovery.oom_all_ranks`` under ``strategy="ddp"``: from step 3 rank 1 alone cannot fit more than
+    4 of its 8 samples. It runs them again in 2 pieces while rank 0 waits in no collective; both ranks
+    record the same action and halve their micro-batch alike (accumulation 2: the global batch is
+    kept), and training equals the run without the error (float rounding of the split) on both
+    ranks (with DDP's own gradient sync and no error: gradguard's average of the gradients equals
+    DDP's bit for bit without an error, measured once; the test allows the split's rounding)."""
+    r0, r1 = lit(tmp_path_factory, "ddp", "oom")
+    native = lit(tmp_path_factory, "ddp", "oom_native")[0]  # no error, DDP's own gradient sync
+    want = {"samples": 8, "in": "forward", "step_skipped": False, "ranks": [1]}
+    assert r0["action_log"] == r1["action_log"]
+    (s1, n1, p1), (s2, n2, p2) = r0["action_log"]
+    assert (s1, n1) == (3, "oom_shrink_micro") and p1 == {**want, "pieces": 2, "micro_batch": [8, 4]}
+    # the batch Lightning had drawn ahead at the old size is split the same way, as in one process
+    assert (s2, n2) == (4, "oom_retry") and p2 == {**want, "pieces": 2, "micro_batch": [8, 8]}
+    assert r0["batch_sizes"] == r1["batch_sizes"] == [8] * 4 + [4] * 8 and r0["steps"] == 8
+    assert r0["records"] == r1["records"] and r0["params"] == r1["params"] and r0["skipped"] == 0
+    assert close(r0["params"], native["params"], 1e-6) and native["action_log"] == []

@@ -43,6 +43,8 @@ class StepDecision:
         core, runner = self.core, self.runner
         loss = runner.take_step_loss()
         runner.micro_in_step = 0
+        if runner.close_step():  # recovery.oom_all_ranks under DDP: every rank skips this step
+            runner.poisoned = True
         if runner.discard_left > 0 or runner.poisoned:
             # a data window skipped after a rollback, or a step broken by an out-of-memory error
             if runner.poisoned:

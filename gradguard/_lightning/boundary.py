@@ -35,6 +35,8 @@ def watch_optimizer_step(cb: Any, opt: Any) -> list[Any]:
 def batch_start(cb: Any, trainer: Any, pl_module: Any, batch_idx: int) -> None:
     """A batch opening an optimizer step of a skipped data window counts down the window."""
     acc = int(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1
+    if batch_idx % acc == 0:
+        cb.steps.open_step()  # recovery.oom_all_ranks under DDP: this step's backwards sync nothing
     if cb._skip_left > 0 and batch_idx % acc == 0:  # a window counts optimizer steps
         cb._skip_left -= 1
         cb._window_step = True
@@ -62,6 +64,7 @@ def before_optimizer_step(cb: Any, trainer: Any, pl_module: Any, optimizer: Any)
         return
     cb.steps.restore_stash()
     cb._stepped = True
+    cb.steps.close_step()  # recovery.oom_all_ranks under DDP: one vote, then the gradients averaged
     # without a GradScaler Lightning calls the closure (and so this hook) inside optimizer.step()
     with core.deciding_inside_step(cb._in_opt_step):
         if cb._window_step or cb._poisoned:
