@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from ._compat import (
-    ddp_broadcast_buffers_at_next_forward,
     ddp_wrapper,
     scaler_found_inf,
     scaler_scale,
@@ -40,7 +39,7 @@ from .detect import NORM_TAKEOVER, Detectors, Finding, Signals
 from .errors import ConfigError, GradGuardHalt, UnsupportedSetupError, is_rank0, warn
 from .logdir import event_log_dir, is_url, join, write_text
 from .measure import EngineClip, GradMeasurer, LayerMap, metric_key, norm_layers
-from .oom import OomRecovery, PieceFailed, average_gradients
+from .oom import SKIPPED, EveryRank, OomRecovery, PieceFailed
 from .policy import Action, Policy
 from .recovery import CheckpointTier, rollback_from_checkpoints, step_verdict
 from .sinks import EVENT_SCHEMA_VERSION, ConsoleSink, JSONLSink, M, Sink, _clean, package_versions
@@ -1057,26 +1056,20 @@ class Guard(GuardCore):
         return float("nan") if acc is None else float(acc)
 
     def _accumulate_ddp(self, ddp: Any, run: Callable[[int], torch.Tensor | None], samples: int) -> float:
-        """``accumulate`` on a DDP model over several processes. A rank that runs out of memory
-        must be able to run its samples again in pieces without the other ranks waiting for it in a
-        gradient all-reduce, so every micro-batch runs under ``no_sync()`` (each rank's backward is
-        local; DDP's first forward of the step still broadcasts rank 0's buffers, as DDP does), then
-        every rank votes on what happened (one reduction: :meth:`OomRecovery.agree`, the same
-        micro-batch shrink and action on every rank, or the same error on every rank) and the
-        gradients are averaged over the ranks as DDP's reducer would (one reduction per bucket).
-        The price: no overlap of the all-reduce with the backward."""
+        """``accumulate`` on a DDP model over several processes: the core's every-rank rule
+        (:class:`gradguard.oom.EveryRank`): the step's backwards without DDP's sync, a rank that
+        runs out of memory retries alone, one vote, the gradients averaged by the guard."""
         micro = self.batches.micro_batch_size
+        ranks = EveryRank(self.oom, ddp, self.collective)
         acc: torch.Tensor | None = None
-        parts, failed, message = 1, False, ""
-        ddp_broadcast_buffers_at_next_forward(ddp, True)
-        with ddp.no_sync():
+        message = ""
+        ranks.open_step()
+        try:
             try:
                 acc = run(micro)
             except torch.OutOfMemoryError as exc:
                 message = f"{type(exc).__name__}: {exc}"[:160]
             if message:
-                # the failed forward already broadcast the buffers (DDP does it before the module runs)
-                ddp_broadcast_buffers_at_next_forward(ddp, False)
 
                 def attempt(n: int) -> torch.Tensor | None:
                     try:
@@ -1084,13 +1077,11 @@ class Guard(GuardCore):
                     except torch.OutOfMemoryError:
                         raise PieceFailed(True) from None
 
-                try:
-                    acc, parts = self.oom.split(attempt, samples=samples, message=message, touched=True)
-                except torch.OutOfMemoryError:
-                    failed, acc = True, None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        has_grad, _ = self.oom.agree(self.collective, samples=samples, parts=parts, failed=failed, params=params)
-        average_gradients(self.collective, params, has_grad)
+                acc = ranks.retry(attempt, samples=samples, message=message, touched=True)
+                acc = None if acc is SKIPPED else acc
+            ranks.close_step([p for p in self.model.parameters() if p.requires_grad], samples)
+        finally:
+            ranks.release()
         self._loss_sum, self._loss_n = acc, 1
         return float("nan") if acc is None else float(acc)
 

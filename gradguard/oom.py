@@ -30,11 +30,12 @@ from typing import Any, TypeVar
 
 import torch
 
+from ._compat import ddp_broadcast_buffers_at_next_forward
 from .act import drop_grads
 from .adapter import free_memory
 from .policy import Action
 
-__all__ = ["OomRecovery", "PieceFailed", "SKIPPED", "average_gradients"]
+__all__ = ["OomRecovery", "PieceFailed", "SKIPPED", "EveryRank", "average_gradients"]
 
 T = TypeVar("T")
 
@@ -230,3 +231,67 @@ def average_gradients(collective: Any, params: list[torch.nn.Parameter], has_gra
                     q.grad.copy_(flat[offset:offset + n].view_as(q.grad))
                     offset += n
             bucket, size = ([p], p.numel()) if p is not None else ([], 0)
+
+
+class EveryRank:
+    """An out-of-memory error on one DDP rank, handled on every rank alike (the plain loop's
+    ``Guard.accumulate``; the HF and Lightning adapters with ``recovery.oom_all_ranks``). Written once
+    for every engine; the adapter calls :meth:`open_step` before the step's first forward,
+    :meth:`retry` where it catches the error, and :meth:`close_step` once the step's gradients are
+    in, before the guard measures them.
+
+    * :meth:`open_step`: DDP syncs no gradient in this step's backwards (``require_backward_grad_sync``
+      off, what ``no_sync()`` does; the engine's own ``no_sync`` for earlier micro-batches keeps it
+      off), so a rank can run its samples again alone with no other rank waiting for it inside a
+      gradient all-reduce; DDP's first forward of the step still broadcasts rank 0's buffers.
+    * :meth:`retry`: the core's retry loop (:meth:`OomRecovery.split`) on this rank only; its outcome
+      is kept for the vote, nothing is recorded or resized yet.
+    * :meth:`close_step`: one reduction (:meth:`OomRecovery.agree`) gives every rank the same action,
+      micro-batch shrink, skip or error, then the gradients are averaged over the ranks as DDP's
+      reducer would (:func:`average_gradients`). The price: that all-reduce no longer overlaps the
+      last backward.
+    """
+
+    def __init__(self, oom: OomRecovery, ddp: Any, collective: Any) -> None:
+        self.oom = oom
+        self.ddp = ddp
+        self.collective = collective
+        self._outcome: tuple[int, bool, bool, int, str] | None = None  # (parts, failed, skipped, samples, in)
+
+    def open_step(self) -> None:
+        self.ddp.require_backward_grad_sync = False
+        ddp_broadcast_buffers_at_next_forward(self.ddp, True)
+        self._outcome = None
+
+    def retry(self, attempt: Callable[[int], T], *, samples: int, message: str, touched: bool,
+              keep_earlier: bool = False, where: str = "forward") -> Any:
+        """This rank's retry of a failed micro-batch of ``samples``: ``attempt``'s result, or
+        :data:`SKIPPED` when this rank's step cannot be kept (its gradients could not be separated,
+        or even one sample did not fit); the vote in :meth:`close_step` makes every rank respond."""
+        # the failed forward already broadcast the buffers (DDP does it before the module runs)
+        ddp_broadcast_buffers_at_next_forward(self.ddp, False)
+        try:
+            out, parts = self.oom.split(attempt, samples=samples, message=message, touched=touched,
+                                        keep_earlier=keep_earlier)
+        except torch.OutOfMemoryError:
+            drop_grads(self.oom.params())
+            out, parts = SKIPPED, -1
+        prev = self._outcome[0] if self._outcome else 1
+        self._outcome = (max(prev, parts), parts < 0, parts == 0, samples, where)
+        return out
+
+    def close_step(self, params: list[torch.nn.Parameter], samples: int) -> bool:
+        """The vote and the gradient average. ``samples``: this rank's micro-batch (used when it had
+        no error). Returns True when every rank skips the step (its gradients are dropped); raises
+        ``torch.OutOfMemoryError`` on every rank when a sample fitted on none."""
+        parts, failed, skipped, size, where = self._outcome or (1, False, False, samples, "forward")
+        self._outcome = None
+        held, skip = self.oom.agree(self.collective, samples=size, parts=parts, failed=failed, skipped=skipped,
+                                    where=where, params=params)
+        if not skip:
+            average_gradients(self.collective, params, held)
+        return skip
+
+    def release(self) -> None:
+        """DDP syncs its gradients itself again (after the step, or the run)."""
+        self.ddp.require_backward_grad_sync = True

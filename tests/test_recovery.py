@@ -274,3 +274,56 @@ def test_average_gradients_in_buckets_keeps_values_and_missing_gradients():
     assert torch.equal(ps[0].grad, grads[0] * 2) and torch.equal(ps[1].grad, grads[1] * 2)
     assert ps[2].grad is None  # no rank held one
     assert torch.equal(ps[3].grad, torch.zeros(2))  # another rank held one: zeros here
+
+
+class _OtherRank:
+    """A two-process collective as rank 0 sees it: ``mean`` adds what rank 1 packed (its outcome in
+    the vote of gradguard.oom.OomRecovery.agree: pieces, failed, skipped, samples; a gradient for
+    every parameter)."""
+
+    world_size = 2
+
+    def __init__(self, pieces=0, failed=0, skipped=0, samples=8):
+        self.rank1 = [pieces, failed, skipped, samples]
+
+    def mean(self, packed):
+        other = torch.zeros_like(packed)
+        other[4:8] = torch.tensor(self.rank1, dtype=packed.dtype)
+        other[8:] = 1.0
+        return (packed + other) / 2
+
+
+@pytest.mark.parametrize("rank1,expect", [
+    ({"pieces": 4}, "shrink"),  # rank 1 needed 4 pieces of its 8 samples: every rank runs 2 from now on
+    ({"skipped": 1}, "skip"),  # rank 1's error hit after earlier micro-batches: every rank skips the step
+    ({"failed": 1}, "raise"),  # one sample did not fit on rank 1: every rank raises
+    ({}, "nothing"),
+])
+def test_every_rank_vote_gives_rank0_the_same_response_as_rank1(rank1, expect):
+    from gradguard.oom import OomRecovery
+
+    recorded, sizes = [], []
+
+    class Core:
+        config = gg.GuardConfig()
+        step_count = 5
+
+        def record(self, action):
+            recorded.append(action)
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    rule = OomRecovery(Core(), lambda: [p], lambda fits: (sizes.append(fits), (8, fits))[1])
+    if expect == "raise":
+        with pytest.raises(torch.OutOfMemoryError, match=r"rank\(s\) \[1\] of 2 with a single sample"):
+            rule.agree(_OtherRank(**rank1), samples=8, parts=1, failed=False, params=[p])
+        assert p.grad is None
+        return
+    held, skip = rule.agree(_OtherRank(**rank1), samples=8, parts=1, failed=False, params=[p])
+    names = [(a.name, a.step, a.params["ranks"], a.params["micro_batch"]) for a in recorded]
+    if expect == "shrink":
+        assert (held, skip) == ([True], False) and sizes == [2] and names == [("oom_shrink_micro", 6, [1], [8, 2])]
+    elif expect == "skip":
+        assert skip and p.grad is None and names == [("oom_skip_step", 6, [1], [8, 4])]
+    else:
+        assert (held, skip) == ([True], False) and not recorded and sizes == [] and p.grad is not None

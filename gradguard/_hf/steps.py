@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from .._compat import ddp_broadcast_buffers_at_next_forward, ddp_wrapper, shadow_method, unshadow_method
+from .._compat import ddp_wrapper, shadow_method, unshadow_method
 from ..data import batch_len, split_batch
 from ..errors import warn_once
-from ..oom import SKIPPED, OomRecovery, PieceFailed, average_gradients
+from ..oom import SKIPPED, EveryRank, OomRecovery, PieceFailed
 from ..policy import Action
 
 __all__ = ["StepRunner"]
@@ -37,9 +37,8 @@ class StepRunner:
         self._orig: Any = None
         self._wrapper: Any = None
         self._previous: Any = None
-        self.ddp: Any = None  # the DDP wrapper when an out-of-memory error is handled on every rank
-        self._every_rank: bool | None = None  # recovery.oom_all_ranks in force (decided at the first step)
-        self._outcome: tuple[int, bool, bool, int, str] | None = None  # (parts, failed, skipped, samples, in)
+        self.ranks: EveryRank | None = None  # recovery.oom_all_ranks under DDP
+        self._every_rank: bool | None = None  # decided at the first step
 
     @property
     def wrapped(self) -> bool:
@@ -88,41 +87,30 @@ class StepRunner:
         self._previous = shadow_method(trainer, "training_step", training_step)
 
     def open_step(self) -> None:
-        """``on_step_begin`` (``recovery.oom_all_ranks`` under DDP): DDP syncs no gradient in this
-        step's backwards, so one rank can retry alone (its first forward still broadcasts rank 0's
-        buffers, as DDP does); :meth:`close_step` averages the gradients."""
+        """``on_step_begin``: with ``recovery.oom_all_ranks`` under DDP, the core's every-rank rule
+        (:class:`gradguard.oom.EveryRank`), bound to the Trainer's DDP wrapper at the first step."""
         if self._every_rank is None:
             self._every_rank = False
             world = int(getattr(self.args, "world_size", 1) or 1)
-            if world > 1 and self.core is not None and self.core.config.recovery.oom_all_ranks and self.wrapped:
-                self.ddp = ddp_wrapper(getattr(self.trainer, "model_wrapped", None))
-                self._every_rank = self.ddp is not None
-                if self.ddp is None:
+            if world > 1 and self.oom is not None and self.core.config.recovery.oom_all_ranks and self.wrapped:
+                ddp = ddp_wrapper(getattr(self.trainer, "model_wrapped", None))
+                if ddp is None:
                     warn_once("oom-all-ranks-hf", "gradguard: recovery.oom_all_ranks applies to DDP only; this "
                               "Trainer's model is not DDP-wrapped, so an out-of-memory error is raised on its rank")
-        if self.ddp is not None:
-            self.ddp.require_backward_grad_sync = False
-            ddp_broadcast_buffers_at_next_forward(self.ddp, True)
-            self._outcome = None
+                else:
+                    self.ranks = EveryRank(self.oom, ddp, self.core.collective)
+                    self._every_rank = True
+        if self.ranks is not None:
+            self.ranks.open_step()
 
     def close_step(self) -> bool:
-        """Before the step's decision (``oom_all_ranks`` under DDP): every rank's out-of-memory
-        outcome agreed in one reduction (:meth:`gradguard.oom.OomRecovery.agree`), then the
-        gradients averaged over the ranks. True: every rank skips the step."""
-        if self.ddp is None or self.oom is None:
-            return False
-        parts, failed, skipped, samples, where = self._outcome or (1, False, False, self.last_micro, "forward")
-        self._outcome = None
-        held, skip = self.oom.agree(self.core.collective, samples=samples, parts=parts, failed=failed,
-                                    skipped=skipped, where=where, params=self.params)
-        if not skip:
-            average_gradients(self.core.collective, self.params, held)
-        return skip
+        """Before the step's decision: the vote and the gradient average. True: every rank skips."""
+        return self.ranks is not None and self.ranks.close_step(self.params, self.last_micro)
 
     def unwrap(self) -> None:
-        if self.ddp is not None:
-            self.ddp.require_backward_grad_sync = True  # DDP's own sync again after the run
-            self.ddp = None
+        if self.ranks is not None:
+            self.ranks.release()  # DDP's own sync again after the run
+            self.ranks = None
         if self.trainer is not None and self._orig is not None:
             unshadow_method(self.trainer, "training_step", self._wrapper, self._previous)
         self._orig = None
@@ -156,7 +144,7 @@ class StepRunner:
             touched = len(self.losses) > start  # a forward finished: its backward may have touched grads
             del self.losses[start:]
             chunk = -(-size // self.splits) if size else 0
-            world = 1 if self.ddp is not None else getattr(self.args, "world_size", 1)
+            world = 1 if self.ranks is not None else getattr(self.args, "world_size", 1)
             if self.oom is None or not self.oom.can_recover(chunk, world):
                 raise  # nothing left to split; or several processes, which must stay in lockstep
             message = f"{type(exc).__name__}: {exc}"[:160]
@@ -172,14 +160,9 @@ class StepRunner:
                 raise PieceFailed(touched) from None
 
         where = "backward" if touched else "forward"
-        if self.ddp is not None:  # this rank retries alone; every rank responds together in close_step
-            try:
-                out, parts = self.oom.split(attempt, samples=chunk, message=message, touched=touched,
-                                            keep_earlier=not first)
-            except torch.OutOfMemoryError:
-                out, parts = SKIPPED, -1
-            prev = self._outcome[0] if self._outcome else 1
-            self._outcome = (max(prev, parts), parts < 0, parts == 0, chunk, where)
+        if self.ranks is not None:  # this rank retries alone; every rank responds together in close_step
+            out = self.ranks.retry(attempt, samples=chunk, message=message, touched=touched, keep_earlier=not first,
+                                   where=where)
         else:
             out = self.oom.recover(attempt, samples=chunk, message=message, touched=touched, earlier_grads=not first,
                                    where=where)

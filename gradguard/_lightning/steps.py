@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from .._compat import ddp_broadcast_buffers_at_next_forward, ddp_wrapper, shadow_method, unshadow_method
+from .._compat import ddp_wrapper, shadow_method, unshadow_method
 from .._shard import zero_touching
 from ..act import drop_grads
 from ..data import batch_len, split_batch
 from ..errors import warn_once
-from ..oom import SKIPPED, OomRecovery, PieceFailed, average_gradients
+from ..oom import SKIPPED, EveryRank, OomRecovery, PieceFailed
 
 __all__ = ["StepWrappers"]
 
@@ -43,8 +43,7 @@ class StepWrappers:
         self._orig_training_step: Any = None
         self._poisoned = False  # an out-of-memory error left this step's gradients unusable
         self.oom: OomRecovery | None = None  # the core's rule, bound in install()
-        self.ddp: Any = None  # the DDP wrapper when an out-of-memory error is handled on every rank
-        self._outcome: tuple[int, bool, bool, int, str] | None = None  # (parts, failed, skipped, samples, in)
+        self.ranks: EveryRank | None = None  # recovery.oom_all_ranks under DDP
 
     @property
     def _trainer(self) -> Any:
@@ -89,7 +88,7 @@ class StepWrappers:
         self._wrap(pl_module, "training_step", training_step)
         self._orig_training_step = orig
         self._every_rank(trainer, pl_module)
-        if (trainer.world_size == 1 or self.ddp is not None) and self.config.policy.act \
+        if (trainer.world_size == 1 or self.ranks is not None) and self.config.policy.act \
                 and pl_module.automatic_optimization:
             strategy = trainer.strategy
             orig_backward = strategy.backward
@@ -101,54 +100,39 @@ class StepWrappers:
             self._wrap(strategy, "backward", backward)
 
     def _every_rank(self, trainer: Any, pl_module: Any) -> None:
-        """``recovery.oom_all_ranks`` under DDP: bind the DDP wrapper (see :meth:`open_step`)."""
-        self.ddp = None
-        if trainer.world_size <= 1 or not self.config.recovery.oom_all_ranks:
+        """``recovery.oom_all_ranks`` under DDP: the core's every-rank rule bound to the DDP wrapper."""
+        self.ranks = None
+        if trainer.world_size <= 1 or not self.config.recovery.oom_all_ranks or self.oom is None:
             return
         if not (self.config.policy.act and pl_module.automatic_optimization):
             return
-        self.ddp = ddp_wrapper(getattr(trainer.strategy, "model", None))
-        if self.ddp is None:
+        ddp = ddp_wrapper(getattr(trainer.strategy, "model", None))
+        if ddp is None:
             warn_once("oom-all-ranks-ddp", "gradguard: recovery.oom_all_ranks applies to strategy='ddp' only; under "
                       f"{type(trainer.strategy).__name__} an out-of-memory error is raised on its rank as before")
+            return
+        self.ranks = EveryRank(self.oom, ddp, self.core.collective)
 
     def open_step(self) -> None:
-        """The first micro-batch of an optimizer step (``oom_all_ranks`` under DDP): DDP syncs no
-        gradient in this step's backwards (each rank can retry alone), and its first forward still
-        broadcasts rank 0's buffers, as DDP does. The gradients are averaged in :meth:`close_step`."""
-        if self.ddp is not None:
-            self.ddp.require_backward_grad_sync = False
-            ddp_broadcast_buffers_at_next_forward(self.ddp, True)
-            self._outcome = None
+        """The first micro-batch of an optimizer step: see :class:`gradguard.oom.EveryRank`."""
+        if self.ranks is not None:
+            self.ranks.open_step()
 
-    def close_step(self) -> bool:
-        """Before the optimizer step (``oom_all_ranks`` under DDP): every rank's out-of-memory
-        outcome agreed in one reduction (:meth:`gradguard.oom.OomRecovery.agree`: the same shrink,
-        action, skip or error on every rank), then the gradients averaged over the ranks. Returns
-        True when every rank skips the step."""
-        if self.ddp is None or self.oom is None:
-            return False
-        parts, failed, skipped, samples, where = self._outcome or (1, False, False, self._samples(), "forward")
-        self._outcome = None
-        params = self._trainable(self._trainer.lightning_module)
-        held, skip = self.oom.agree(self.core.collective, samples=samples, parts=parts, failed=failed,
-                                    skipped=skipped, where=where, params=params)
-        if skip:
-            self._poisoned = True
-            return True
-        average_gradients(self.core.collective, params, held)
-        return False
-
-    def _samples(self) -> int:
-        return batch_len(self._current[0][0]) if self._current and self._current[0] else 0
+    def close_step(self) -> None:
+        """Before the optimizer step: the vote and the gradient average (a step every rank skips
+        is dropped as a poisoned one)."""
+        if self.ranks is not None:
+            samples = batch_len(self._current[0][0]) if self._current and self._current[0] else 0
+            if self.ranks.close_step(self._trainable(self._trainer.lightning_module), samples):
+                self._poisoned = True
 
     def _wrap(self, obj: Any, attr: str, wrapper: Any) -> None:
         self._wrapped.append((obj, attr, wrapper, shadow_method(obj, attr, wrapper)))
 
     def remove(self) -> None:
-        if self.ddp is not None:
-            self.ddp.require_backward_grad_sync = True  # DDP's own sync again after the run
-            self.ddp = None
+        if self.ranks is not None:
+            self.ranks.release()  # DDP's own sync again after the run
+            self.ranks = None
         for obj, attr, wrapper, previous in reversed(self._wrapped):
             unshadow_method(obj, attr, wrapper, previous)  # someone else's later wrapper is left in place
         self._wrapped = []
@@ -198,7 +182,7 @@ class StepWrappers:
 
     def _oom_recoverable(self, trainer: Any, pl_module: Any, args: tuple[Any, ...]) -> bool:
         return bool(self.oom is not None and pl_module.automatic_optimization and args
-                    and self.oom.can_recover(batch_len(args[0]), 1 if self.ddp is not None else trainer.world_size))
+                    and self.oom.can_recover(batch_len(args[0]), 1 if self.ranks is not None else trainer.world_size))
 
     def _shrink_to(self, fits: int) -> tuple[int, int] | None:
         """The OOM rule's resize for Lightning: the loader's micro-batch halves (more accumulation)."""
@@ -225,15 +209,9 @@ class StepWrappers:
         ctx = contextlib.nullcontext if in_forward else trainer.precision_plugin.train_step_context
         assert self.oom is not None
         samples, where = batch_len(args[0]), "forward" if in_forward else "backward"
-        if self.ddp is not None:  # this rank retries alone; every rank responds together in close_step
-            try:
-                out, parts = self.oom.split(lambda n: self._run_pieces(orig, args, kwargs, n, acc, ctx),
-                                            samples=samples, message=message, touched=not in_forward,
-                                            keep_earlier=not first)
-            except torch.OutOfMemoryError:
-                out, parts = SKIPPED, -1
-            prev = self._outcome[0] if self._outcome else 1
-            self._outcome = (max(prev, parts), parts < 0, parts == 0, samples, where)
+        if self.ranks is not None:  # this rank retries alone; every rank responds together in close_step
+            out = self.ranks.retry(lambda n: self._run_pieces(orig, args, kwargs, n, acc, ctx), samples=samples,
+                                   message=message, touched=not in_forward, keep_earlier=not first, where=where)
             if out is SKIPPED:  # the rest of the window runs no forward (a zero loss keeps DDP in step)
                 self._poisoned = True
                 return zero_touching(params, pl_module.device) if in_forward else True
