@@ -12,7 +12,11 @@ model, data and process group:
 * ``no_clip``: ``backward`` + ``optimizer.step()`` (no norm at all);
 * ``guard``: ``gg.Guard.step`` (norms, the step's one all-reduce, detection, clipping), no snapshots;
 * ``guard_snap``: the same with a snapshot of each rank's own state every step (the worst case:
-  the default interval is 50 steps).
+  the default interval is 50 steps);
+* ``guard_sync`` (DDP only): ``guard`` with gradguard's own gradient sync instead of DDP's
+  (:class:`gradguard.oom.EveryRank`: the backward without DDP's all-reduce, then the vote and the
+  bucketed average), what ``guard.accumulate`` on a DDP model and ``recovery.oom_all_ranks`` cost:
+  the all-reduce no longer overlaps the backward.
 
 The arms alternate step by step (the order rotating), so load drift on a shared machine hits all
 of them alike. Step times are medians over the measured steps (rank 0's, between barriers so the
@@ -44,7 +48,11 @@ sys.path.insert(0, ROOT)
 
 import gradguard as gg  # noqa: E402
 
-ARMS = ("unguarded", "no_clip", "guard", "guard_snap")
+ARMS = ("unguarded", "no_clip", "guard", "guard_snap", "guard_sync")
+
+
+def arms_of(strategy: str) -> tuple[str, ...]:
+    return ARMS if strategy == "ddp" else ARMS[:-1]
 
 
 class MLP(nn.Module):
@@ -85,8 +93,17 @@ def run_arm(arm: str, model: nn.Module, opt: torch.optim.Optimizer, guard: Any, 
         x, y = batches[i % len(batches)]
         sync(device)
         t0 = time.perf_counter()
+        ranks = None
+        if arm == "guard_sync":
+            from gradguard.oom import EveryRank
+
+            ranks = EveryRank(guard.oom, model, guard.collective)
+            ranks.open_step()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
+        if ranks is not None:
+            ranks.close_step([p for p in model.parameters() if p.requires_grad], len(x))
+            ranks.release()
         if arm == "unguarded":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -135,23 +152,24 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     for strategy in args.strategies:
         quiet = {"console": False, "jsonl": False}
         arms: dict[str, tuple[nn.Module, torch.optim.Optimizer, Any]] = {}
-        for arm in ARMS:  # one model, optimizer and guard per arm (same initial weights and data)
+        names = arms_of(strategy)
+        for arm in names:  # one model, optimizer and guard per arm (same initial weights and data)
             model = build(strategy, args, device)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             guard = None if arm in ("unguarded", "no_clip") else gg.Guard(model, opt, config=gg.GuardConfig.preset(
                 "default", output=quiet, recovery={"snapshot_interval": 1 if arm == "guard_snap" else 0}))
             arms[arm] = (model, opt, guard)
             run_arm(arm, model, opt, guard, batches, args.warmup, device)
-        per_arm: dict[str, list[float]] = {a: [] for a in ARMS}
-        ratios: dict[str, list[float]] = {a: [] for a in ARMS if a != "unguarded"}
+        per_arm: dict[str, list[float]] = {a: [] for a in names}
+        ratios: dict[str, list[float]] = {a: [] for a in names if a != "unguarded"}
         for rnd in range(args.rounds):
-            times: dict[str, list[float]] = {a: [] for a in ARMS}
+            times: dict[str, list[float]] = {a: [] for a in names}
             for i in range(args.steps):  # interleaved step by step, the order rotating: load drift cancels
-                k = (rnd + i) % len(ARMS)
-                for arm in ARMS[k:] + ARMS[:k]:
+                k = (rnd + i) % len(names)
+                for arm in names[k:] + names[:k]:
                     times[arm].extend(run_arm(arm, *arms[arm], batches[i % len(batches):], 1, device))
             med = {}
-            for arm in ARMS:
+            for arm in names:
                 per_arm[arm].extend(times[arm])
                 med[arm] = statistics.median(times[arm])
             for arm in ratios:
@@ -197,15 +215,19 @@ def write(results: dict[str, Any], args: argparse.Namespace, world: int) -> None
              f"MLP {args.depth}x{args.width} ({next(iter(results.values()))['params']:,} parameters), "
              f"batch {args.batch}/rank, {args.rounds} interleaved rounds x {args.steps} steps", "",
              "| strategy | unguarded step (clip_grad_norm_) | no clip (ratio) | guard step (ratio) | "
-             "guard + snapshot every step (ratio) | all-reduce alone | snapshot per rank |",
-             "|---|---|---|---|---|---|---|"]
+             "guard + snapshot every step (ratio) | guard, gradguard's own gradient sync (ratio) | "
+             "all-reduce alone | snapshot per rank |",
+             "|---|---|---|---|---|---|---|---|"]
     for strategy, r in results.items():
         m, q, iqr = r["median_step_s"], r["ratio_vs_unguarded"], r["ratio_iqr"]
         lines.append(f"| {strategy} | {m['unguarded'] * 1e3:.2f} ms | {m['no_clip'] * 1e3:.2f} ms "
                      f"({q['no_clip']:.2f}x [{iqr['no_clip'][0]:.2f}, {iqr['no_clip'][1]:.2f}]) | {m['guard'] * 1e3:.2f} ms ({q['guard']:.2f}x "
                      f"[{iqr['guard'][0]:.2f}, {iqr['guard'][1]:.2f}]) | "
                      f"{m['guard_snap'] * 1e3:.2f} ms ({q['guard_snap']:.2f}x [{iqr['guard_snap'][0]:.2f}, "
-                     f"{iqr['guard_snap'][1]:.2f}]) | {r['collective_s'] * 1e6:.0f} us "
+                     f"{iqr['guard_snap'][1]:.2f}]) | "
+                     + (f"{m['guard_sync'] * 1e3:.2f} ms ({q['guard_sync']:.2f}x [{iqr['guard_sync'][0]:.2f}, "
+                        f"{iqr['guard_sync'][1]:.2f}])" if "guard_sync" in m else "-")
+                     + f" | {r['collective_s'] * 1e6:.0f} us "
                      f"({r['packed_floats']} floats) | {r['snapshot_s_per_rank'] * 1e3:.2f} ms, "
                      f"{r['snapshot_bytes_per_rank'] / 2**20:.2f} MiB |")
     with open(os.path.join(args.out, name + ".md"), "w") as fh:
