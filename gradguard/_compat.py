@@ -394,7 +394,7 @@ def ddp_broadcast_buffers_at_next_forward(ddp: Any, on: bool) -> bool:
     after one under ``no_sync``). Returns False (nothing set) where the attribute is missing."""
     if not hasattr(ddp, "require_forward_param_sync"):
         warn_once("ddp-buffer-flag", "gradguard: this torch's DistributedDataParallel has no "
-                  "require_forward_param_sync; Guard.accumulate leaves DDP's buffer broadcast as it is")
+                  "require_forward_param_sync; gradguard's out-of-memory rule under DDP leaves its buffer broadcast as it is")
         return False
     ddp.require_forward_param_sync = bool(on)
     return True

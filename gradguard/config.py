@@ -396,7 +396,7 @@ class RecoveryConfig:
     """Steps the tight clip is held after the batch grows back."""
 
     oom_all_ranks: bool = False
-    """Lightning under DDP (``strategy="ddp"``, several processes): an out-of-memory error on one rank
+    """HF and Lightning under DDP (several processes): an out-of-memory error on one rank
     is handled on every rank alike (that rank runs its samples again in pieces, then every rank's
     micro-batch shrinks the same way), instead of being raised on that rank. To let one rank retry
     alone, every micro-batch of a step runs without DDP's gradient sync and gradguard averages the

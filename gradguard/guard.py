@@ -1029,59 +1029,42 @@ class Guard(GuardCore):
                 del loss, weighted
             return acc
 
+        # several DDP processes: the core's every-rank rule (gradguard.oom.EveryRank): the step's
+        # backwards without DDP's sync, a rank that runs out of memory retries alone, one vote, the
+        # gradients averaged by the guard
         ddp = ddp_wrapper(self.model) if self.collective.world_size > 1 else None
-        if ddp is not None:
-            return self._accumulate_ddp(ddp, run, min(ctl.micro_batch_size, total))
+        ranks = EveryRank(self.oom, ddp, self.collective) if ddp is not None else None
         micro, message = ctl.micro_batch_size, ""
-        try:
-            acc = run(micro)
-        except torch.OutOfMemoryError as exc:
-            if not self.oom.can_recover(min(micro, total), self.collective.world_size):
-                raise
-            message = f"{type(exc).__name__}: {exc}"[:160]
-            acc = None
-        if message:
-            # the core's rule (gradguard.oom): the whole step is run again (nothing earlier to keep),
-            # its micro-batches split into pieces until they fit; the controller's micro-batch follows
+        samples = min(micro, total)
 
-            def attempt(parts: int) -> torch.Tensor | None:
-                try:
-                    return run(-(-micro // parts))
-                except torch.OutOfMemoryError:
-                    raise PieceFailed(True) from None
+        def attempt(parts: int) -> torch.Tensor | None:
+            try:
+                return run(-(-micro // parts))
+            except torch.OutOfMemoryError:
+                raise PieceFailed(True) from None
 
-            acc = self.oom.recover(attempt, samples=min(micro, total), message=message, touched=True,
-                                   earlier_grads=False)
-        self._loss_sum, self._loss_n = acc, 1
-        return float("nan") if acc is None else float(acc)
-
-    def _accumulate_ddp(self, ddp: Any, run: Callable[[int], torch.Tensor | None], samples: int) -> float:
-        """``accumulate`` on a DDP model over several processes: the core's every-rank rule
-        (:class:`gradguard.oom.EveryRank`): the step's backwards without DDP's sync, a rank that
-        runs out of memory retries alone, one vote, the gradients averaged by the guard."""
-        micro = self.batches.micro_batch_size
-        ranks = EveryRank(self.oom, ddp, self.collective)
-        acc: torch.Tensor | None = None
-        message = ""
-        ranks.open_step()
+        if ranks is not None:
+            ranks.open_step()
         try:
             try:
                 acc = run(micro)
             except torch.OutOfMemoryError as exc:
+                if ranks is None and not self.oom.can_recover(samples, self.collective.world_size):
+                    raise
                 message = f"{type(exc).__name__}: {exc}"[:160]
-            if message:
-
-                def attempt(n: int) -> torch.Tensor | None:
-                    try:
-                        return run(-(-micro // n))
-                    except torch.OutOfMemoryError:
-                        raise PieceFailed(True) from None
-
+                acc = None
+            # the core's rule (gradguard.oom): the whole step is run again (nothing earlier to keep),
+            # its micro-batches split into pieces until they fit; the controller's micro-batch follows
+            if message and ranks is not None:
                 acc = ranks.retry(attempt, samples=samples, message=message, touched=True)
                 acc = None if acc is SKIPPED else acc
-            ranks.close_step([p for p in self.model.parameters() if p.requires_grad], samples)
+            elif message:
+                acc = self.oom.recover(attempt, samples=samples, message=message, touched=True, earlier_grads=False)
+            if ranks is not None:
+                ranks.close_step([p for p in self.model.parameters() if p.requires_grad], samples)
         finally:
-            ranks.release()
+            if ranks is not None:
+                ranks.release()
         self._loss_sum, self._loss_n = acc, 1
         return float("nan") if acc is None else float(acc)
 

@@ -89,7 +89,10 @@ class OomRecovery:
         result, parts = self.split(attempt, samples=samples, message=message, touched=touched,
                                    keep_earlier=earlier_grads)
         if result is SKIPPED:
-            return self._skip(samples, message, where)
+            self._skip(samples, where, f"out of memory in {where} ({message}) after earlier micro-batches of the "
+                       "step had added gradients: they cannot be separated, so the step's gradients are dropped "
+                       "and the step is skipped")
+            return SKIPPED
         fits = -(-samples // parts)
         moved = self.shrink_to(fits)
         params = {"samples": samples, "pieces": parts, "in": where, "step_skipped": False,
@@ -123,13 +126,14 @@ class OomRecovery:
 
     def agree(self, collective: Any, *, samples: int, parts: int, failed: bool, skipped: bool = False,
               where: str = "forward", params: list[torch.nn.Parameter] | None = None) -> tuple[list[bool], bool]:
-        """Several processes under DDP (``Guard.accumulate``; Lightning with
-        ``recovery.oom_all_ranks``): what every rank's step did with an out-of-memory error, agreed
+        """Several processes under DDP (:class:`EveryRank`: ``Guard.accumulate``; HF and Lightning
+        with ``recovery.oom_all_ranks``): what every rank's step did with an out-of-memory error, agreed
         in one reduction, and the same response on every rank.
 
         Each rank gives its own outcome: ``samples`` (its micro-batch), ``parts`` (1: no error; else
-        the pieces its samples fitted in), ``failed`` (even one sample did not fit) and ``skipped`` (its step's gradients had to
-        be dropped: the error hit after earlier micro-batches had added theirs). The reduction also
+        the pieces its samples fitted in), ``failed`` (even one sample did not fit) and ``skipped``
+        (its step's gradients had to be dropped: the error hit after earlier micro-batches had added
+        theirs). The reduction also
         carries which of ``params`` hold a gradient on each rank. Then, on every rank alike: if a
         rank failed, gradients are dropped everywhere and ``torch.OutOfMemoryError`` is raised on
         every rank (no rank is left waiting in a collective); if a rank skipped, every rank drops
@@ -171,12 +175,9 @@ class OomRecovery:
         samples = max(sizes[r] for r in oom_ranks)  # the failed micro-batch (the same size on every rank, usually)
         if skipped_ranks:
             drop_grads(self.params())
-            moved = self.shrink_to(max(1, samples // 2))
-            self._record("oom_skip_step", f"out of memory on rank(s) {skipped_ranks} of {world} after earlier "
-                         "micro-batches of the step had added gradients: they cannot be separated, so every rank "
-                         "drops the step's gradients and skips it",
-                         {"samples": samples, "pieces": 0, "in": where, "step_skipped": True,
-                          "micro_batch": list(moved) if moved else [samples, samples], "ranks": oom_ranks})
+            self._skip(samples, where, f"out of memory on rank(s) {skipped_ranks} of {world} after earlier "
+                       "micro-batches of the step had added gradients: they cannot be separated, so every rank "
+                       "drops the step's gradients and skips it", ranks=oom_ranks)
             return [False] * len(params), True
         most = max(pieces)
         fits = min(-(-sizes[r] // pieces[r]) for r in oom_ranks)
@@ -189,14 +190,11 @@ class OomRecovery:
                       "micro_batch": list(moved) if moved else [samples, samples], "ranks": oom_ranks})
         return has_grad, False
 
-    def _skip(self, samples: int, message: str, where: str) -> Any:
+    def _skip(self, samples: int, where: str, reason: str, **extra: Any) -> None:
+        """The step's gradients could not be kept: the micro-batch halves and ``oom_skip_step`` is recorded."""
         moved = self.shrink_to(max(1, samples // 2))
-        params = {"samples": samples, "pieces": 0, "in": where, "step_skipped": True,
-                  "micro_batch": list(moved) if moved else [samples, samples]}
-        self._record("oom_skip_step", f"out of memory in {where} ({message}) after earlier micro-batches of the "
-                     "step had added gradients: they cannot be separated, so the step's gradients are dropped "
-                     "and the step is skipped", params)
-        return SKIPPED
+        self._record("oom_skip_step", reason, {"samples": samples, "pieces": 0, "in": where, "step_skipped": True,
+                                               "micro_batch": list(moved) if moved else [samples, samples], **extra})
 
     def _record(self, name: str, reason: str, params: dict[str, Any]) -> None:
         self.core.record(Action(name, self.core.step_count + 1, reason, params))
@@ -215,22 +213,18 @@ def average_gradients(collective: Any, params: list[torch.nn.Parameter], has_gra
             p.grad = torch.zeros_like(p)
         groups.setdefault((p.grad.device, p.grad.dtype), []).append(p)
     for group in groups.values():
-        bucket: list[torch.nn.Parameter] = []
+        buckets: list[list[torch.nn.Parameter]] = [[]]
         size = 0
-        for p in group + [None]:  # type: ignore[list-item]
-            if p is not None and (not bucket or size + p.numel() <= bucket_elements):
-                bucket.append(p)
-                size += p.numel()
-                continue
-            if bucket:
-                flat = torch.cat([q.grad.reshape(-1) for q in bucket])
-                flat = collective.mean(flat)
-                offset = 0
-                for q in bucket:
-                    n = q.numel()
-                    q.grad.copy_(flat[offset:offset + n].view_as(q.grad))
-                    offset += n
-            bucket, size = ([p], p.numel()) if p is not None else ([], 0)
+        for p in group:  # in order; a bucket never grows past bucket_elements (unless one tensor does)
+            if buckets[-1] and size + p.numel() > bucket_elements:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += p.numel()
+        for bucket in buckets:
+            flat = collective.mean(torch.cat([q.grad.reshape(-1) for q in bucket]))
+            for q, piece in zip(bucket, flat.split([q.numel() for q in bucket])):
+                q.grad.copy_(piece.view_as(q.grad))
 
 
 class EveryRank:
