@@ -7,7 +7,6 @@ import glob
 import json
 import os
 import re
-import time
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from gradguard.dashboards import EVENT_POINTS, panels, tensorboard_layout
 from gradguard.sinks import M
 
 from .conftest import TinyNet, make_batch
-from .test_sinks import _read_wandb_once
+from .test_sinks import _read_wandb_run
 
 FIXED = {v for k, v in vars(M).items() if k.isupper() and isinstance(v, str)}
 FAMILIES = (M.GRAD_NORM_LAYER, M.PARAM_NORM_LAYER, M.UPDATE_RATIO_LAYER, M.LR, M.LR_SCHEDULED, M.ACTION, M.EVENT)
@@ -113,13 +112,7 @@ def test_the_dashboards_match_a_real_runs_keys_in_wandb_and_tensorboard(wandb_of
     tb = gg.TensorBoardSink(str(tmp_path / "tb"))
     summary = _real_run(tmp_path, [wb, tb])
     assert {"rollback", "lower_lr", "tighten_clip"} <= set(summary["actions"])
-    # the wandb service writes its file asynchronously (slowly on a busy machine): read until the
-    # closing summary keys are in
-    for _ in range(240):
-        history, wsummary = _read_wandb_once(tmp_path)
-        if any(k.startswith("gradguard/summary/") for k in wsummary):
-            break
-        time.sleep(0.5)
+    history, wsummary = _read_wandb_run(tmp_path)  # once the file is complete (its exit record)
     tables = (gg.WandbSink.TABLE_KEY, M.EVENT_POINTS)  # the actions table, the event points (nested keys)
     keys = {k for row in history for k in row if k.startswith("gradguard/") and not k.startswith(tables)} | {
         k for k in wsummary if k.startswith("gradguard/") and not k.startswith(("gradguard/summary/",) + tables)}

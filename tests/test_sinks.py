@@ -13,7 +13,7 @@ from torch import nn
 import gradguard as gg
 from gradguard.sinks import M
 
-from .wandb_log import records
+from .wandb_log import read_runs
 
 NAN_STEPS = (12, 13, 14)  # a 3-step non-finite streak: skips, then actions (rollback, lower_lr...)
 NAN_STEP = NAN_STEPS[-1]
@@ -92,43 +92,13 @@ def test_tensorboard_sink_missing_dependency(monkeypatch, tmp_path):
 
 
 
-def _key(item):
-    return item.key or ".".join(item.nested_key)  # nested summary keys as W&B shows them: a.b
-
-
 def _read_wandb_run(tmp_path):
-    """History rows and summary of the offline run. The wandb service writes the file
-    asynchronously, so an incomplete file is read again for a few seconds."""
-    import time
-
-    from google.protobuf.message import DecodeError
-
-    history: list = []
-    summary: dict = {}
-    for _ in range(40):
-        try:
-            history, summary = _read_wandb_once(tmp_path)
-        except (DecodeError, ValueError):  # a record still being written
-            history, summary = [], {}
-        if history and summary:
-            break
-        time.sleep(0.5)
-    return history, summary
-
-
-def _read_wandb_once(tmp_path):
-    (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    history, summary = [], {}
-    for rec in records(path):
-        kind = rec.WhichOneof("record_type")
-        if kind == "history":
-            row = {_key(i): json.loads(i.value_json) for i in rec.history.item}
-            history.append(row)
-        elif kind == "summary":
-            summary.update({_key(u): json.loads(u.value_json) for u in rec.summary.update})
-    return history, summary
-
-
+    """History rows and summary of the one offline run, read once its exit record is written
+    (the wandb service writes the file asynchronously, after ``finish`` returns). Nested keys
+    (a table's ``path``, ``nrows``) read as W&B shows them: ``a.b``."""
+    (run,) = read_runs(str(tmp_path), sep=".")
+    assert run.finished, f"{run.path}: no exit record after a minute"
+    return run.history, run.summary
 
 
 def test_wandb_sink_round_trip(wandb_offline, tmp_path):

@@ -45,8 +45,8 @@ def records(path: str):
             yield rec
 
 
-def _key(item: Any) -> str:
-    return item.key or "/".join(item.nested_key)
+def _key(item: Any, sep: str = "/") -> str:
+    return item.key or sep.join(item.nested_key)
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Run:
         return [r for r in self.history if key in r]
 
 
-def _read_once(path: str) -> Run:
+def _read_once(path: str, sep: str = "/") -> Run:
     from google.protobuf.message import DecodeError
 
     run = Run(path)
@@ -73,9 +73,9 @@ def _read_once(path: str) -> Run:
     for rec in recs:
         kind = rec.WhichOneof("record_type")
         if kind == "history":
-            run.history.append({_key(i): json.loads(i.value_json) for i in rec.history.item})
+            run.history.append({_key(i, sep): json.loads(i.value_json) for i in rec.history.item})
         elif kind == "summary":
-            run.summary.update({_key(u): json.loads(u.value_json) for u in rec.summary.update})
+            run.summary.update({_key(u, sep): json.loads(u.value_json) for u in rec.summary.update})
         elif kind == "alert":
             run.alerts.append({"title": rec.alert.title, "text": rec.alert.text, "level": rec.alert.level})
         elif kind == "metric":
@@ -88,9 +88,10 @@ def _read_once(path: str) -> Run:
     return run
 
 
-def read_runs(wandb_dir: str) -> list[Run]:
+def read_runs(wandb_dir: str, sep: str = "/") -> list[Run]:
     """Every offline run under ``<wandb_dir>/wandb``, read after ``finish`` (the service writes
-    asynchronously: a file without its exit record is read again for a few seconds)."""
+    asynchronously: a file without its exit record is read again, for up to a minute on a busy
+    machine). ``sep`` joins nested keys (a table's ``path``, ``nrows``...)."""
     pattern = os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb")
     paths = sorted(glob.glob(pattern))
     for _ in range(40):  # under load the service may create the file after finish() returned
@@ -100,8 +101,8 @@ def read_runs(wandb_dir: str) -> list[Run]:
         paths = sorted(glob.glob(pattern))
     out = []
     for path in paths:
-        for _ in range(40):
-            run = _read_once(path)
+        for _ in range(120):
+            run = _read_once(path, sep)
             if run.finished:
                 break
             time.sleep(0.5)
