@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ __all__ = [
     "swap_class", "check_features", "versions", "has_foreach_support", "device_dtype_groups", "HF_NORM_METHOD", "hf_norm_pass_plain",
     "pl_log_step", "pl_should_update_logs",
     "swap_class", "check_features", "versions", "dtensor_type", "fsdp1_units", "fsdp1_uses_orig_params",
-    "fsdp1_shard_size", "fsdp1_full_shapes", "ddp_wrapper", "ddp_broadcast_buffers_at_next_forward",
+    "fsdp1_shard_size", "fsdp1_full_shapes", "fsdp1_flat_pieces", "FlatPiece", "is_flat_param", "ddp_wrapper", "ddp_broadcast_buffers_at_next_forward",
 ]
 
 _MISSING = object()
@@ -433,6 +434,67 @@ def fsdp1_shard_size(unit: Any) -> int:
         return 1
     group = getattr(unit, "process_group", None)
     return int(torch.distributed.get_world_size(group)) if group is not None else 1
+
+
+@dataclass(frozen=True)
+class FlatPiece:
+    """One original parameter inside an FSDP1 flat parameter (``use_orig_params=False``).
+
+    ``name``: its path in the unwrapped model (FSDP wrapper segments dropped). ``offset`` /
+    ``numel``: where its elements lie in this process's local flat shard (``numel`` 0 when none of
+    it is on this process). ``shape``: its unsharded shape. ``module``: the module that owns it."""
+
+    flat: Any
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+    module: Any
+
+
+def is_flat_param(p: Any) -> bool:
+    """Whether ``p`` is an FSDP1 ``FlatParameter`` (private ``_is_flat_param`` flag, else the class name)."""
+    return bool(getattr(p, "_is_flat_param", False)) or type(p).__name__ == "FlatParameter"
+
+
+def fsdp1_flat_pieces(model: Any) -> list[FlatPiece] | None:
+    """Every original parameter of the FSDP1 flat parameters in ``model`` (``use_orig_params=False``),
+    in the order of ``model.named_parameters()``: ``[]`` without flat parameters, None when this
+    torch's private ``FlatParameter`` layout (``_fqns``, ``_shapes``, ``_param_infos``,
+    ``_shard_param_infos``) is not the one gradguard knows."""
+    units = [u for u in fsdp1_units(model) if not fsdp1_uses_orig_params(u)]
+    if not units:
+        return []
+    flats = {id(getattr(u, "_flat_param", None)) for u in units} - {id(None)}
+    out: list[FlatPiece] = []
+    for pname, flat in model.named_parameters():
+        if id(flat) not in flats:
+            continue
+        fqns = getattr(flat, "_fqns", None)
+        shapes = getattr(flat, "_shapes", None)
+        infos = getattr(flat, "_param_infos", None)
+        shard = getattr(flat, "_shard_param_infos", None)
+        if not (fqns and shapes and infos and shard) or not len(fqns) == len(shapes) == len(infos) == len(shard):
+            return None
+        prefix = pname[: -len("_flat_param")] if pname.endswith("_flat_param") else None
+        if prefix is None:
+            return None
+        for fqn, shape, info, sh in zip(fqns, shapes, infos, shard):
+            try:
+                in_shard = bool(sh.in_shard)
+                offset, numel = (int(sh.offset_in_shard), int(sh.numel_in_shard)) if in_shard else (0, 0)
+                module = info.module
+            except (AttributeError, TypeError):
+                return None
+            name = _unwrapped_name(prefix + fqn)
+            out.append(FlatPiece(flat, name, offset, numel, tuple(int(d) for d in shape), module))
+    return out
+
+
+def _unwrapped_name(name: str) -> str:
+    for seg in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+        name = name.replace(seg, "")
+    return name
 
 
 def fsdp1_full_shapes(model: Any) -> dict[int, tuple[int, ...]]:

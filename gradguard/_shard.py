@@ -1,5 +1,7 @@
-"""Sharded training (FSDP2, FSDP1 with ``use_orig_params=True``): gradients, weights and optimizer
-state of which each process holds a piece.
+"""Sharded training (FSDP2, FSDP1 with or without ``use_orig_params``): gradients, weights and
+optimizer state of which each process holds a piece. An FSDP1 flat parameter
+(``use_orig_params=False``) is measured per original parameter, on the slices of its local shard
+that :class:`gradguard.measure.LayerMap` keeps per entry.
 
 * Norms: every process measures its local pieces. Each piece's squared norm is weighted by
   ``world / copies`` (``copies``: how many processes hold that same piece: 1 when fully sharded,
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._compat import dtensor_type, fsdp1_shard_size, fsdp1_units, fsdp1_uses_orig_params
+from ._compat import dtensor_type, fsdp1_flat_pieces, fsdp1_shard_size, fsdp1_units, is_flat_param
 
 __all__ = ["Sharding", "sharding", "zero_touching", "unsupported_sharding", "local_state", "rewrap_state", "rewrap_optimizer_state"]
 
@@ -32,14 +34,13 @@ def _dtensor() -> type | None:
 
 def unsupported_sharding(model: nn.Module) -> dict[str, str]:
     """``{setting: why and the fix}`` for sharded layouts gradguard cannot measure or restore:
-    FSDP1 with flat parameters (``use_orig_params=False``), whose per-layer structure is hidden
-    behind one flat buffer per unit."""
-    units = fsdp1_units(model)
-    if units and not all(fsdp1_uses_orig_params(u) for u in units):
+    FSDP1 flat parameters (``use_orig_params=False``) are measured per original parameter through
+    the flat parameter's private layout; a torch whose layout gradguard cannot read is refused."""
+    if fsdp1_flat_pieces(model) is None:
         return {"FullyShardedDataParallel(use_orig_params=False)": (
-            "FSDP1 flattens each unit's parameters into one flat shard, so gradguard cannot tell which layer a "
-            "gradient belongs to (and layer names would be _flat_param). Fix: wrap with "
-            "FullyShardedDataParallel(..., use_orig_params=True), or use FSDP2 "
+            "this torch's FSDP1 flat parameters do not expose the layout gradguard reads (FlatParameter._fqns, "
+            "_shapes, _param_infos, _shard_param_infos), so it cannot tell which layer a gradient belongs to. "
+            "Fix: wrap with FullyShardedDataParallel(..., use_orig_params=True), or use FSDP2 "
             "(torch.distributed.fsdp.fully_shard)")}
     return {}
 
@@ -118,8 +119,13 @@ def zero_touching(params: list[torch.Tensor], device: torch.device) -> torch.Ten
     without a forward: a skipped data window under DDP/FSDP keeps every rank's backward in step
     (Lightning refuses a None loss there)."""
     DTensor = _dtensor()
-    total = torch.zeros((), device=device)
+    total = torch.zeros((), device=device, requires_grad=True)  # a loss to back through even when nothing is touched
     for p in params:
+        if is_flat_param(p):
+            # an FSDP1 flat parameter: outside FSDP's forward its storage is swapped between the
+            # local shard and the gathered whole, so a graph on it cannot be backed through; without a
+            # forward no FSDP1 collective runs on any rank, so nothing needs touching
+            continue
         local = p.to_local() if DTensor is not None and isinstance(p, DTensor) else p
         if local.numel():
             total = total + local.reshape(-1)[:1].sum()

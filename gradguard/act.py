@@ -244,9 +244,13 @@ class LRMultiplier:
         active = {k: m for k, m in self.layer_mult.items() if m != 1.0}
         if active:
             params, copies, weights = [], [], []
+            layers = self.layers
             for name, m in active.items():
-                for p in self.layers.params_of([name]):
-                    if p.grad is not None:
+                for i in layers.entries_of([name]):
+                    if layers.params[i].grad is not None:
+                        p = layers.params[i]
+                        if layers.views[i] is not None:
+                            (p,) = layers.tensors([i])  # an FSDP1 flat parameter's slice for this layer
                         params.append(p)
                         copies.append(p.detach().clone())
                         weights.append(1.0 - m)

@@ -1,7 +1,7 @@
 """What every engine adapter does the same way, implemented once.
 
 * :func:`refuse_unsupported`: the setups an engine does not guard (:data:`ENGINE_REFUSALS`: DeepSpeed
-  everywhere, FSDP under the HF callback, FSDP1 flat parameters; optimizers that update
+  everywhere, FSDP under the HF callback, FSDP1 flat parameters a torch's layout hides; optimizers that update
   inside backward): :class:`UnsupportedSetupError` at attach when the policy acts; in monitor mode a
   warning, and the guard stands aside (it must never be what stops a run the engine accepts).
 * :func:`stand_aside`: a run with nothing to watch (Lightning's mock optimizer when
@@ -97,9 +97,9 @@ def restore_guard_state(core: Any, config: GuardConfig, guard: dict[str, Any] | 
 
 #: Distributed setups refused in every engine alike: ``{kind: (why, alternative)}``. The plain loop
 #: (:class:`gradguard.Guard`) and the Lightning callback (``strategy="ddp"``, ``ModelParallelStrategy``,
-#: ``FSDPStrategy``) guard DDP, FSDP2 (``fully_shard``) and FSDP1 with ``use_orig_params=True``; the
-#: HF callback guards DDP (its FSDP: ``"fsdp"``). FSDP1 with flat parameters is refused everywhere
-#: (:func:`sharding_problems`).
+#: ``FSDPStrategy``) guard DDP, FSDP2 (``fully_shard``) and FSDP1 with or without ``use_orig_params``;
+#: the HF callback guards DDP (its FSDP: ``"fsdp"``). FSDP1 flat parameters whose private layout this
+#: torch does not expose are refused everywhere (:func:`sharding_problems`).
 ENGINE_REFUSALS: dict[str, tuple[str, str]] = {
     "deepspeed": ("DeepSpeed steps the optimizer, scales the loss and clips inside its engine, so gradguard can "
                   "neither measure the pre-clip gradients nor skip a step safely",
@@ -121,7 +121,7 @@ def engine_refusal(kind: str, setting: str, detail: str = "") -> dict[str, str]:
 
 
 def sharding_problems(model: Any) -> dict[str, str]:
-    """The model's layouts no engine guards (FSDP1 with flat parameters, a DeepSpeed engine), as
+    """The model's layouts no engine guards (FSDP1 flat parameters of an unknown layout, a DeepSpeed engine), as
     :func:`refuse_unsupported` takes them; every adapter adds these to its own."""
     from ._shard import unsupported_sharding
 

@@ -138,7 +138,8 @@ class GuardCore:
         self.reduce = reduce if reduce is not None else (
             self.collective.mean if self.collective.world_size > 1 else None)
         self.optimizer = unwrap_optimizer(optimizer)
-        self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern, optimizer=self.optimizer)
+        self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern, optimizer=self.optimizer,
+                               root=shard_root)
         self._check_optimizer_covers_model()
         self.measurer = GradMeasurer(self.layers)
         # FSDP: local pieces measured, summed by the step's one reduction (gradguard._shard)
@@ -372,7 +373,7 @@ class GuardCore:
         self._step_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         if report.applied and (step % cfg.measure.log_interval == 0
                                or (self.ratio_due is not None and self.ratio_due(step))):
-            self._before_params = [p.detach().clone() for p in self.layers.params]
+            self._before_params = [t.clone() for t in self.layers.tensors()]
         self._last = report
         return report
 
@@ -979,7 +980,7 @@ class Guard(GuardCore):
         from .misuse import MisuseWatch, check_optimizer
 
         check_optimizer(unwrap_optimizer(optimizer))  # closure optimizers (LBFGS) are refused
-        refuse_setup(model)  # sharded layouts gradguard cannot measure (FSDP1 flat parameters)
+        refuse_setup(model)  # sharded layouts gradguard cannot measure (FSDP1 flat parameters of an unknown layout)
         self._misuse = MisuseWatch()
         config = GuardConfig.coerce(config)
         if not is_rank0():  # several processes: one event log and one console per run, as in every engine

@@ -62,7 +62,8 @@ class LayerMap:
 
     def __init__(self, model: nn.Module,
                  layer_fn: Callable[[str], str] | str | None = None,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None,
+                 root: nn.Module | None = None) -> None:
         if isinstance(layer_fn, str):
             pattern = re.compile(layer_fn)
 
@@ -88,6 +89,15 @@ class LayerMap:
         self._ids: set[int] = set()
         self._frozen: list[nn.Parameter] = []  # optimizer parameters not yet trainable
         self._signature: tuple[int, ...] | None = None
+        self.views: list[tuple[int, int] | None] = []
+        """Per entry: None (the whole parameter), or ``(offset, numel)`` of one original parameter
+        inside an FSDP1 flat parameter's local shard (``use_orig_params=False``): such a flat
+        parameter has one entry per original parameter this process holds a piece of, each measured,
+        tuned and normed on its own slice, so layers keep the unsharded model's names."""
+        self.modules: list[nn.Module | None] = []
+        """Per entry: the module owning an FSDP1 flat parameter's original parameter (else None)."""
+        self._sliced = False
+        self._add_flat(root if root is not None else model)
         self._add(p_name_pairs=[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         if not self.params and (optimizer is None or not self._holds_model_params(optimizer)):
             raise UnsupportedSetupError("gradguard: the model has no trainable parameters (requires_grad=True); "
@@ -96,21 +106,81 @@ class LayerMap:
             self._signature = self._opt_signature()
             self._frozen = [p for p in self._untracked_optimizer_params() if not p.requires_grad]
 
+    def _layer(self, pname: str) -> int:
+        layer = self._fn(pname)
+        if layer not in self._seen:
+            self._seen[layer] = len(self.layer_names)
+            self.layer_names.append(layer)
+        return self._seen[layer]
+
     def _add(self, p_name_pairs: list[tuple[str, nn.Parameter]]) -> list[str]:
         added = []
         for pname, p in p_name_pairs:
             if id(p) in self._ids:
                 continue
-            layer = self._fn(pname)
-            if layer not in self._seen:
-                self._seen[layer] = len(self.layer_names)
-                self.layer_names.append(layer)
+            li = self._layer(pname)
             self._ids.add(id(p))
             self.params.append(p)
             self.param_names.append(pname)
-            self.layer_index.append(self._seen[layer])
+            self.layer_index.append(li)
+            self.views.append(None)
+            self.modules.append(None)
             added.append(pname)
         return added
+
+    def _add_flat(self, root: nn.Module) -> None:
+        """FSDP1 flat parameters: every original parameter names its layer (on every process alike,
+        so the layer list and the step's packed reduction line up across ranks); the pieces this
+        process holds become entries. A layout gradguard cannot read is refused at attach
+        (:func:`gradguard._shard.unsupported_sharding`)."""
+        from ._compat import fsdp1_flat_pieces
+
+        pieces = fsdp1_flat_pieces(root) or []
+        for piece in pieces:
+            if not piece.flat.requires_grad:
+                continue
+            li = self._layer(piece.name)
+            if piece.numel == 0:
+                continue  # the layer exists on every process; this one holds none of it
+            self.params.append(piece.flat)
+            self.param_names.append(piece.name)
+            self.layer_index.append(li)
+            self.views.append((piece.offset, piece.numel))
+            self.modules.append(piece.module)
+            self._sliced = True
+        self._ids.update(id(piece.flat) for piece in pieces)
+
+    @property
+    def sliced(self) -> bool:
+        """Whether some entry is a slice of an FSDP1 flat parameter (read once per step: kept)."""
+        return self._sliced
+
+    def unique_params(self) -> list[nn.Parameter]:
+        """The watched parameters, each once (an FSDP1 flat parameter has one entry per original
+        parameter)."""
+        if not self.sliced:
+            return list(self.params)
+        seen: set[int] = set()
+        return [p for p in self.params if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
+
+    def tensors(self, indices: Iterable[int] | None = None) -> list[torch.Tensor]:
+        """The entries' values (detached; a flat parameter's slice as a view of its local shard)."""
+        idx = range(len(self.params)) if indices is None else indices
+        return [_entry(self.params[i].detach(), self.views[i]) for i in idx]
+
+    def grads_of(self, indices: Iterable[int] | None = None) -> list[torch.Tensor | None]:
+        """The entries' gradients (a flat parameter's slice as a view of its local gradient)."""
+        idx = range(len(self.params)) if indices is None else indices
+        out: list[torch.Tensor | None] = []
+        for i in idx:
+            g = self.params[i].grad
+            out.append(None if g is None else _entry(g, self.views[i]))
+        return out
+
+    def entries_of(self, layers: Iterable[str]) -> list[int]:
+        """Entry positions of the parameters of ``layers``."""
+        wanted = {self.layer_names.index(n) for n in layers if n in self.layer_names}
+        return [i for i, li in enumerate(self.layer_index) if li in wanted]
 
     def _holds_model_params(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the optimizer holds any of the model's parameters, frozen or not."""
@@ -145,8 +215,15 @@ class LayerMap:
         return len(self.layer_names)
 
     def params_of(self, layers: Iterable[str]) -> list[nn.Parameter]:
-        wanted = {self.layer_names.index(n) for n in layers if n in self.layer_names}
-        return [p for p, i in zip(self.params, self.layer_index) if i in wanted]
+        """The parameters of ``layers`` (a flat parameter whole, once: see :meth:`entries_of`)."""
+        seen: set[int] = set()
+        out = []
+        for i in self.entries_of(layers):
+            p = self.params[i]
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
 
     def match(self, pattern: str) -> list[str]:
         rx = re.compile(pattern)
@@ -166,12 +243,17 @@ def is_norm_module(module: nn.Module) -> bool:
     return isinstance(module, _NORM_TYPES) or name.endswith(("Norm", "Norm1d", "Norm2d", "Norm3d"))
 
 
+def _entry(t: torch.Tensor, view: tuple[int, int] | None) -> torch.Tensor:
+    return t if view is None else t.view(-1)[view[0]:view[0] + view[1]]
+
+
 def norm_layers(model: nn.Module, layers: LayerMap) -> list[str]:
     """The layers of ``layers`` made only of normalization parameters (a final ``ln_f``)."""
     norm_ids = {id(p) for m in model.modules() if is_norm_module(m) for p in m.parameters(recurse=False)}
     owned: dict[int, bool] = {}
-    for p, li in zip(layers.params, layers.layer_index):
-        owned[li] = owned.get(li, True) and id(p) in norm_ids
+    for p, li, view, module in zip(layers.params, layers.layer_index, layers.views, layers.modules):
+        is_norm = is_norm_module(module) if view is not None and module is not None else id(p) in norm_ids
+        owned[li] = owned.get(li, True) and is_norm
     return [layers.layer_names[li] for li, only_norm in sorted(owned.items()) if only_norm]
 
 
@@ -317,16 +399,16 @@ class GradMeasurer:
 
     def grads(self) -> tuple[list[torch.Tensor], list[int]]:
         """The present gradients and the layer of each (do not modify the lists)."""
-        grads = [p.grad for p in self.layers.params]
+        sliced = self.layers.sliced
+        grads = self.layers.grads_of() if sliced else [p.grad for p in self.layers.params]
         if all(map(operator.is_not, grads, repeat(None))):  # the usual step: every gradient present
-            return grads, self.layers.layer_index
-        grads, owners = [], []
-        for p, li in zip(self.layers.params, self.layers.layer_index):
-            g = p.grad
+            return grads, self.layers.layer_index  # type: ignore[return-value]
+        present, owners = [], []
+        for g, li in zip(grads, self.layers.layer_index):
             if g is not None:
-                grads.append(g)
+                present.append(g)
                 owners.append(li)
-        return grads, owners
+        return present, owners
 
     def _plan(self, grads: list[torch.Tensor], owners: list[int]) -> _Plan:
         g0 = grads[0]
@@ -386,7 +468,9 @@ class GradMeasurer:
         norm pass is taken over (see :class:`EngineClip`)."""
         self.layers.sync()  # parameters unfrozen or added to the optimizer since the last step
         grads, owners = self.grads()
-        self.last_grads = grads
+        # the tensors a clip scales: each gradient once (a flat parameter's whole local gradient)
+        self.last_grads = [p.grad for p in self.layers.unique_params() if p.grad is not None] \
+            if self.layers.sliced else grads
         n_layers = len(self.layers)
         extra_list = list(extras)
         n_extra = len(extra_list)
@@ -472,7 +556,7 @@ class GradMeasurer:
     @torch.no_grad()
     def param_norms(self) -> list[float]:
         """Per-layer parameter norms (log interval only: one extra sync)."""
-        return self._layer_norms_of(list(self.layers.params))
+        return self._layer_norms_of(self.layers.tensors())
 
     @torch.no_grad()
     def _layer_norms_of(self, tensors: list[torch.Tensor]) -> list[float]:
@@ -494,8 +578,8 @@ class GradMeasurer:
     @torch.no_grad()
     def update_ratios(self, before: list[torch.Tensor]) -> tuple[list[float], list[float]]:
         """Per-layer ||update|| / ||weight|| given copies of the parameters taken before the step."""
-        params = list(self.layers.params)
-        deltas = torch._foreach_sub([p.detach() for p in params], before)
+        now = self.layers.tensors()
+        deltas = torch._foreach_sub(now, before)
         upd = self._layer_norms_of(deltas)
-        wn = self._layer_norms_of([p.detach() for p in params])
+        wn = self._layer_norms_of(now)
         return [u / w if w > 0 else 0.0 for u, w in zip(upd, wn)], wn

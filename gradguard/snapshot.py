@@ -35,8 +35,12 @@ from .errors import SnapshotUnavailable, warn  # noqa: E402  (one error hierarch
 def model_fingerprint(model: nn.Module) -> str:
     """A short hash of the model's state names and shapes: two runs of different models (or a
     model whose layout changed) never share one."""
+    return _fingerprint(model.state_dict())
+
+
+def _fingerprint(model_state: dict[str, Any]) -> str:
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    for name, t in model_state.items():
         shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         h.update(f"{name}:{shape};".encode())
     return h.hexdigest()[:16]
@@ -486,17 +490,23 @@ class SnapshotRing:
         return max(usable, key=lambda s: s.step) if usable else None
 
     # -- restoring ---------------------------------------------------------------------------
-    def check_restorable(self, state: dict[str, Any]) -> None:
+    def live_layout(self) -> tuple[str, dict[str, Any]]:
+        """The model's fingerprint and its state's local tensors, from one ``state_dict()`` call.
+        Under FSDP1 that call is a collective (it gathers the weights): every process makes it at the
+        same point, before anything that may fail on one process only (reading a damaged file)."""
+        live = self.model.state_dict()
+        return _fingerprint(live), local_state(live)
+
+    def check_restorable(self, state: dict[str, Any], layout: tuple[str, dict[str, Any]] | None = None) -> None:
         """Raise ``ValueError`` naming the problem unless ``state`` fits this model and optimizer
         exactly (fingerprint, every model tensor's name and shape, the optimizer's param-group
-        layout); called before anything is changed."""
+        layout); called before anything is changed. ``layout``: :meth:`live_layout`, when already read."""
+        current, live = layout if layout is not None else self.live_layout()
         if not isinstance(state, dict) or "model" not in state or "optimizer" not in state:
             raise ValueError("snapshot has no model/optimizer state")
         fp = state.get("fingerprint")
-        current = model_fingerprint(self.model)
         if fp != current:
             raise ValueError(f"snapshot is from another model (fingerprint {fp!r}, this model {current!r})")
-        live = local_state(self.model.state_dict())
         saved = state["model"]
         if not isinstance(saved, dict) or set(saved) != set(live):
             raise ValueError("snapshot's model tensors do not match this model's")
@@ -550,9 +560,10 @@ class SnapshotRing:
             return self.load_state(snap)[1]
         if self.disk is None or "path" not in snap.meta:
             raise SnapshotUnavailable(f"snapshot of step {snap.step} holds no state")
+        layout = self.live_layout()  # first, on every process alike (see live_layout)
         try:
             state = self.disk.load(snap.step)
-            self.check_restorable(state)
+            self.check_restorable(state, layout)
         except Exception as exc:  # corrupt zip, bad checksum, missing file, other model
             raise SnapshotUnavailable(f"snapshot of step {snap.step}: {exc}") from exc
         return state

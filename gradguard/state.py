@@ -60,12 +60,19 @@ def model_signature(model: nn.Module, root: nn.Module | None = None) -> str:
     parameters count with their unsharded shapes (FSDP2 DTensors have them; FSDP1's local flat
     pieces differ by rank), so every rank of a sharded run has the unsharded model's signature.
     ``root``: the engine's FSDP1 wrapper around ``model``, if any (where those shapes are kept)."""
-    from ._compat import fsdp1_full_shapes
+    from ._compat import fsdp1_flat_pieces, fsdp1_full_shapes
 
-    full = fsdp1_full_shapes(root if root is not None else model)
+    where = root if root is not None else model
+    full = fsdp1_full_shapes(where)
     h = hashlib.sha256()
+    # FSDP1 flat parameters (use_orig_params=False): their original parameters, unsharded
+    pieces = fsdp1_flat_pieces(where) or []
+    for piece in pieces:
+        h.update(f"{piece.name}:{piece.shape};".encode())
+    flat = {id(piece.flat) for piece in pieces}
     for name, p in model.named_parameters():
-        h.update(f"{_strip(name)}:{full.get(id(p), tuple(p.shape))};".encode())
+        if id(p) not in flat:
+            h.update(f"{_strip(name)}:{full.get(id(p), tuple(p.shape))};".encode())
     return h.hexdigest()[:16]
 
 

@@ -192,7 +192,9 @@ def main(out: str, strategy: str, scenario: str) -> None:
         elif strategy == "model_parallel":
             st = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         else:
-            st = CpuFSDPStrategy(state_dict_type="sharded", root=strategy == "fsdp_root")
+            # fsdp_root_flat: the root unit with flat parameters (use_orig_params=False)
+            flat = {"use_orig_params": False} if strategy == "fsdp_root_flat" else {}
+            st = CpuFSDPStrategy(state_dict_type="sharded", root=strategy.startswith("fsdp_root"), **flat)
         return L.Trainer(accelerator="cpu", devices=2, strategy=st, max_steps=steps, callbacks=[cb, Rec(), *extra],
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=bool(extra), default_root_dir=out, use_distributed_sampler=False)

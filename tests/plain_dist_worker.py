@@ -1,5 +1,6 @@
 """Worker for tests/test_scale.py: one rank of a 2-process CPU (gloo) plain-loop run, ``gg.Guard``
-on a DDP / FSDP2 / FSDP1 model. Faults exist on rank 1 only. Writes what this rank saw to
+on a DDP / FSDP2 / FSDP1 model (fsdp1_orig: ``use_orig_params=True``; fsdp1: flat
+parameters, one unit per Linear; fsdp1_one: one flat parameter for the whole model). Faults exist on rank 1 only. Writes what this rank saw to
 ``<out>/rank<R>.json``.
 
 usage: python -m torch.distributed.run --nproc_per_node 2 tests/plain_dist_worker.py OUT STRATEGY SCENARIO
@@ -61,11 +62,13 @@ def wrap(model: nn.Module, strategy: str) -> nn.Module:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
-    if strategy in ("fsdp1", "fsdp1_orig"):
+    if strategy in ("fsdp1", "fsdp1_orig", "fsdp1_one"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=strategy == "fsdp1_orig",
+        # fsdp1_one: one flat parameter for the whole model, its shard boundary inside a layer's weight
+        policy = None if strategy == "fsdp1_one" else ModuleWrapPolicy({nn.Linear})
+        return FSDP(model, auto_wrap_policy=policy, use_orig_params=strategy == "fsdp1_orig",
                     device_id=torch.device("cpu"))  # FSDP1 on the CPU (gloo)
     raise SystemExit(f"unknown strategy {strategy}")
 
@@ -104,6 +107,10 @@ def full_params(model: nn.Module) -> list[float]:
 
 
 def main(out: str, strategy: str, scenario: str) -> None:
+    if os.environ.get("GG_DUMP"):  # diagnosing a hang: every thread's stack after GG_DUMP seconds
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["GG_DUMP"]), exit=True)
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -146,6 +153,8 @@ def main(out: str, strategy: str, scenario: str) -> None:
             path = guard.snapshots.disk.path(2)
             with open(path, "r+b") as fh:
                 fh.truncate(100)
+        if scenario == "clip" and step == 3:  # the middle layer's LR x0.1 (under fsdp1_one: a slice of the flat parameter)
+            guard.lr.lower_layers(["layers.1"])
         r = guard.step(loss)
         opt.zero_grad(set_to_none=True)
         reports.append(r)
@@ -167,7 +176,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
            "clipped": [r.step for r in reports if r.clipped],
            "findings": [[r.step, f.kind] for r in reports for f in r.findings],
            "norms": first.layer_norms, "total": first.total_norm, "ref": ref,
-           "losses": [r.loss for r in reports], "totals": [r.total_norm for r in reports], "mult": guard.lr.global_mult, "max_norm": guard.clip.max_norm,
+           "losses": [r.loss for r in reports], "totals": [r.total_norm for r in reports], "mult": guard.lr.global_mult, "layer_mult": dict(guard.lr.layer_mult), "max_norm": guard.clip.max_norm,
            "steps": guard.step_count, "weights": digest, "params": full_params(model),
            "betas": [list(g["betas"]) for g in opt.param_groups], "disk_files": disk_files,
            "pid": os.getpid(), "fallbacks": fallbacks, "log": guard.log_path}

@@ -1,4 +1,5 @@
-"""Scale-out in the plain loop: ``gg.Guard`` on DDP, FSDP2 (``fully_shard``) and FSDP1 models, two
+"""Scale-out in the plain loop: ``gg.Guard`` on DDP, FSDP2 (``fully_shard``) and FSDP1 models (with and
+without ``use_orig_params``), two
 gloo processes on the CPU (tests/plain_dist_worker.py under torchrun). Faults exist on rank 1 only
 (a NaN loss at step 4, a garbage-label window with a loss spike at steps 6-7): both ranks must take
 the same actions at the same steps, and the weights must match across ranks and strategies."""
@@ -48,7 +49,7 @@ def close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= tol * (1 + abs(y)) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1_orig"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1_orig", "fsdp1_one"])
 def test_fault_on_one_rank_same_actions_on_both_and_norms_of_one_process(tmp_path_factory, strategy):
     r0, r1 = run(tmp_path_factory, strategy)
     same_decisions(r0, r1)
@@ -63,13 +64,16 @@ def test_fault_on_one_rank_same_actions_on_both_and_norms_of_one_process(tmp_pat
         assert close(r0["params"], run(tmp_path_factory, "ddp")[0]["params"])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_clip_with_the_global_norm_and_adam_change_on_every_rank(tmp_path_factory, strategy):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1_one"])
+def test_clip_with_the_global_norm_adam_change_and_a_layer_lr_on_every_rank(tmp_path_factory, strategy):
+    """Clipping on healthy steps, the adam rung, and from step 3 the middle layer's LR x0.1 (under
+    fsdp1_one that layer is a slice of the one flat parameter, whose shard boundary cuts a weight)."""
     r0, r1 = run(tmp_path_factory, strategy, "clip")
     same_decisions(r0, r1)
     assert len(r0["clipped"]) >= 8 and r0["max_norm"] < 0.4  # clipped healthy steps; tightened after the spike
     assert r0["betas"][0][1] < 0.999  # the adam rung applied on both ranks
-    if strategy == "fsdp2":  # clipped by the global norm: the same weights as DDP's
+    assert r0["layer_mult"] == r1["layer_mult"] == {"layers.1": 0.1}
+    if strategy != "ddp":  # clipped by the global norm, the layer's LR on its slice only: DDP's weights
         assert close(r0["params"], run(tmp_path_factory, "ddp", "clip")[0]["params"])
 
 
@@ -93,15 +97,29 @@ def test_fsdp2_resume_restores_the_guard_on_every_rank(tmp_path_factory):
     assert close(r0["params"], plain["params"], 1e-6)
 
 
-def test_fsdp1_with_flat_parameters_is_refused_at_attach_with_the_alternative(tmp_path_factory):
-    r0, r1 = run(tmp_path_factory, "fsdp1")
-    for r in (r0, r1):
-        assert "use_orig_params=False" in r["refused"] and "use_orig_params=True" in r["refused"]
-        assert "fully_shard" in r["refused"]
+def test_fsdp1_flat_parameters_a_torch_without_the_known_layout_is_refused_at_attach(monkeypatch):
+    """FSDP1 flat parameters are read through the private ``FlatParameter`` layout; when a torch
+    lacks it (``gradguard._compat.fsdp1_flat_pieces`` answers None) the guard refuses at attach
+    with the alternatives rather than measure a flat buffer as one layer."""
+    import torch
+    from torch import nn
+
+    import gradguard as gg
+    import gradguard._shard as shard
+
+    monkeypatch.setattr(shard, "fsdp1_flat_pieces", lambda model: None)
+    model = nn.Linear(3, 2)
+    with pytest.raises(gg.UnsupportedSetupError) as err:
+        gg.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    text = str(err.value)
+    assert "use_orig_params=False" in text and "use_orig_params=True" in text and "fully_shard" in text
 
 
-def test_fsdp2_a_snapshot_damaged_on_one_rank_all_ranks_roll_back_to_the_same_older_step(tmp_path_factory):
-    r0, r1 = run(tmp_path_factory, "fsdp2", "disk_damaged")
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1_one"])
+def test_a_snapshot_damaged_on_one_rank_all_ranks_roll_back_to_the_same_older_step(tmp_path_factory, strategy):
+    """Under FSDP1 reading the model's state is a collective: every rank makes it before reading its
+    file, so the rank with the damaged file does not leave the other waiting (it hung before)."""
+    r0, r1 = run(tmp_path_factory, strategy, "disk_damaged")
     same_decisions(r0, r1)  # without the vote rank 1 alone would fall back to step 0: the weights would differ
     assert [a[:3] for a in r0["actions"]] == [[7, "rollback", 0]]
     assert any("unreadable on another process" in p for e in r0["fallbacks"] for p in e["problems"])

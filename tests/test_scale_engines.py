@@ -1,6 +1,6 @@
 """Scale-out in the engines: ``lightning.Trainer`` with ``GradGuardCallback`` under ``strategy="ddp"``,
 ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` in ``configure_model``) and ``FSDPStrategy`` (FSDP1,
-``use_orig_params=True``), two gloo processes on the CPU (tests/lightning_shard_worker.py under
+with and without ``use_orig_params``), two gloo processes on the CPU (tests/lightning_shard_worker.py under
 torchrun). Faults exist on rank 1 only (a NaN loss at step 4, a loss spike at steps 6-7): both ranks
 must take the same actions at the same steps, with the norms of one process and the weights of DDP."""
 
@@ -13,14 +13,16 @@ from tests.test_scale import close, run
 pytestmark = pytest.mark.slow
 
 WORKER = "lightning_shard_worker.py"
-SHARDED = ["model_parallel", "fsdp"]  # fsdp: units wrapped in configure_model; fsdp_root: one root unit
+# fsdp: units wrapped in configure_model; fsdp_root: one root unit; *_flat: the same with flat
+# parameters (use_orig_params=False: layers measured on slices of the flat shards)
+SHARDED = ["model_parallel", "fsdp"]
 
 
 def lit(tmp_path_factory, strategy: str, scenario: str = "default") -> tuple[dict, dict]:
     return run(tmp_path_factory, strategy, scenario, worker=WORKER)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", *SHARDED, "fsdp_root"])
+@pytest.mark.parametrize("strategy", ["ddp", *SHARDED, "fsdp_root", "fsdp_flat", "fsdp_root_flat"])
 def test_lightning_fault_on_one_rank_same_actions_norms_of_one_process_weights_of_ddp(tmp_path_factory, strategy):
     r0, r1 = lit(tmp_path_factory, strategy)
     assert r0["records"] == r1["records"]  # every step: the same findings, actions, skips, loss and norms
@@ -55,34 +57,6 @@ def test_lightning_sharded_resume_restores_the_guard_on_every_rank(tmp_path_fact
         assert r["restored"] == r["before"] and r["restored"]["mult"] < 1
         assert r["steps"] == 12
     assert r0["mult"] == r1["mult"] and r0["params"] == r1["params"]
-
-
-def test_lightning_fsdp1_flat_parameters_are_refused_at_attach_with_the_alternative(tmp_path):
-    """One process (a refusal needs no second rank): FSDPStrategy with use_orig_params=False."""
-    import os
-
-    import lightning.pytorch as L
-    import torch
-
-    import gradguard as gg
-    from gradguard.lightning import GradGuardCallback
-    from tests.lightning_shard_worker import BATCH, CpuFSDPStrategy, Lit, data
-
-    env = dict(os.environ)
-    cb = GradGuardCallback(gg.GuardConfig.preset("default", output={"console": False, "dir": str(tmp_path)}))
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=CpuFSDPStrategy(), max_steps=2, callbacks=[cb],
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, default_root_dir=str(tmp_path))
-    try:
-        with pytest.raises(gg.UnsupportedSetupError) as err:
-            trainer.fit(Lit("fsdp_flat"), torch.utils.data.DataLoader(data(), batch_size=BATCH))
-    finally:
-        if torch.distributed.is_initialized():  # the strategy's one-process group: not left to later tests
-            torch.distributed.destroy_process_group()
-        os.environ.clear()  # nor its MASTER_PORT / WORLD_SIZE / RANK variables
-        os.environ.update(env)
-    assert "use_orig_params=False" in str(err.value) and "use_orig_params=True" in str(err.value)
-    assert "fully_shard" in str(err.value)
 
 
 def test_lightning_ddp_out_of_memory_on_one_rank_every_rank_shrinks_the_same_way(tmp_path_factory):

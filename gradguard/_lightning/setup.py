@@ -84,7 +84,7 @@ def unsupported(trainer: Any) -> dict[str, str]:
         if key.lower() in strategy.lower():
             out.update(engine_refusal(kind, f"Trainer(strategy={strategy})"))
             break
-    # FSDP1 flat parameters, as in every engine (FSDPStrategy wraps the LightningModule from outside)
+    # FSDP1 flat parameters of an unknown layout, as in every engine (FSDPStrategy wraps the LightningModule from outside)
     out.update(sharding_problems(getattr(trainer.strategy, "model", None) or trainer.lightning_module))
     from ..misuse import closure_refusal
 
