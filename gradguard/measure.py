@@ -94,9 +94,10 @@ class LayerMap:
         inside an FSDP1 flat parameter's local shard (``use_orig_params=False``): such a flat
         parameter has one entry per original parameter this process holds a piece of, each measured,
         tuned and normed on its own slice, so layers keep the unsharded model's names."""
-        self.modules: list[nn.Module | None] = []
-        """Per entry: the module owning an FSDP1 flat parameter's original parameter (else None)."""
         self._sliced = False
+        self.flat_norm: dict[int, bool] = {}
+        """Layers of FSDP1 flat parameters: whether each is made only of normalization parameters,
+        from every original parameter (also those another process holds)."""
         self._add_flat(root if root is not None else model)
         self._add(p_name_pairs=[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         if not self.params and (optimizer is None or not self._holds_model_params(optimizer)):
@@ -124,7 +125,6 @@ class LayerMap:
             self.param_names.append(pname)
             self.layer_index.append(li)
             self.views.append(None)
-            self.modules.append(None)
             added.append(pname)
         return added
 
@@ -140,13 +140,15 @@ class LayerMap:
             if not piece.flat.requires_grad:
                 continue
             li = self._layer(piece.name)
+            # normalization-only layers from every piece, held here or not: the same on every process
+            self.flat_norm[li] = self.flat_norm.get(li, True) and piece.module is not None \
+                and is_norm_module(piece.module)
             if piece.numel == 0:
                 continue  # the layer exists on every process; this one holds none of it
             self.params.append(piece.flat)
             self.param_names.append(piece.name)
             self.layer_index.append(li)
             self.views.append((piece.offset, piece.numel))
-            self.modules.append(piece.module)
             self._sliced = True
         self._ids.update(id(piece.flat) for piece in pieces)
 
@@ -250,10 +252,10 @@ def _entry(t: torch.Tensor, view: tuple[int, int] | None) -> torch.Tensor:
 def norm_layers(model: nn.Module, layers: LayerMap) -> list[str]:
     """The layers of ``layers`` made only of normalization parameters (a final ``ln_f``)."""
     norm_ids = {id(p) for m in model.modules() if is_norm_module(m) for p in m.parameters(recurse=False)}
-    owned: dict[int, bool] = {}
-    for p, li, view, module in zip(layers.params, layers.layer_index, layers.views, layers.modules):
-        is_norm = is_norm_module(module) if view is not None and module is not None else id(p) in norm_ids
-        owned[li] = owned.get(li, True) and is_norm
+    owned: dict[int, bool] = dict(layers.flat_norm)  # the same on every process (see LayerMap._add_flat)
+    for p, li, view in zip(layers.params, layers.layer_index, layers.views):
+        if view is None:
+            owned[li] = owned.get(li, True) and id(p) in norm_ids
     return [layers.layer_names[li] for li, only_norm in sorted(owned.items()) if only_norm]
 
 

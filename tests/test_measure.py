@@ -1,5 +1,6 @@
 import pytest
 import torch
+from torch import nn
 
 from gradguard.measure import GradMeasurer, LayerMap, default_layer_name, metric_key
 
@@ -72,3 +73,46 @@ def test_regex_and_callable_override(tiny):
     assert by_regex.layer_names == ["embed", "blocks", "norm", "lm_head"]
     by_fn = LayerMap(tiny, lambda n: "head" if n.startswith("lm_head") else "body")
     assert by_fn.layer_names == ["body", "head"]
+
+
+def test_flat_parameter_slices_are_measured_per_original_parameter_with_layers_alike_on_every_rank(monkeypatch):
+    """An FSDP1 flat parameter (``use_orig_params=False``) as one process of two holds it: the
+    Linear's weight and bias are here, the LayerNorm's pieces on the other process. The layer list
+    and the normalization layers come from every piece (the same on every process: the step's
+    packed reduction and the takeover rule line up across ranks); only the pieces held here are
+    measured, each on its own slice, and a clip scales the flat gradient once."""
+    import gradguard._compat as compat
+    from gradguard.measure import norm_layers
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+            self.ln = nn.LayerNorm(2)
+
+    net = Net()
+    root = nn.Module()
+    root.net = net
+    flat = nn.Parameter(torch.zeros(10))  # fc.weight (6) + fc.bias (2) + padding (2); ln elsewhere
+    root.register_parameter("_flat_param", flat)
+    for name in ("fc", "ln"):  # FSDP1 removes the original parameters from their modules
+        for pname in ("weight", "bias"):
+            delattr(getattr(net, name), pname)
+    P = compat.FlatPiece
+    pieces = [P(flat, "net.fc.weight", 0, 6, (2, 3), net.fc), P(flat, "net.fc.bias", 6, 2, (2,), net.fc),
+              P(flat, "net.ln.weight", 0, 0, (2,), net.ln), P(flat, "net.ln.bias", 0, 0, (2,), net.ln)]
+    monkeypatch.setattr(compat, "fsdp1_flat_pieces", lambda model: pieces)
+    layers = LayerMap(root)
+    assert layers.layer_names == ["net.fc", "net.ln"] and layers.param_names == ["net.fc.weight", "net.fc.bias"]
+    assert norm_layers(root, layers) == ["net.ln"]  # held by the other process, still named here
+    assert layers.unique_params() == [flat] and layers.params_of(["net.fc"]) == [flat]
+    flat.grad = torch.arange(10, dtype=torch.float32)
+    m = GradMeasurer(layers).measure()
+    assert m.layer_norms[0] == pytest.approx(float(torch.arange(8.0).norm()))  # the padding left out
+    assert m.layer_norms[1] == 0.0
+    (t,) = layers.tensors([1])
+    t.fill_(5.0)  # a view: writes land in the flat parameter's slice
+    assert flat.detach()[6:8].tolist() == [5.0, 5.0] and flat.detach()[8:].tolist() == [0.0, 0.0]
+    meas = GradMeasurer(layers)
+    meas.measure()
+    assert len(meas.last_grads) == 1 and meas.last_grads[0] is flat.grad  # a clip scales it once
