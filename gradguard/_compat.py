@@ -30,7 +30,7 @@ __all__ = [
     "swap_class", "check_features", "versions", "has_foreach_support", "device_dtype_groups", "HF_NORM_METHOD", "hf_norm_pass_plain",
     "pl_log_step", "pl_should_update_logs",
     "swap_class", "check_features", "versions", "dtensor_type", "fsdp1_units", "fsdp1_uses_orig_params",
-    "fsdp1_shard_size", "fsdp1_full_shapes", "fsdp1_flat_pieces", "FlatPiece", "is_flat_param", "ddp_wrapper", "ddp_broadcast_buffers_at_next_forward",
+    "fsdp1_shard_size", "fsdp1_full_shapes", "fsdp1_flat_pieces", "FlatPiece", "is_flat_param", "local_optimizer", "ddp_wrapper", "ddp_broadcast_buffers_at_next_forward",
 ]
 
 _MISSING = object()
@@ -450,6 +450,16 @@ class FlatPiece:
     numel: int
     shape: tuple[int, ...]
     module: Any
+
+
+def local_optimizer(optimizer: Any) -> Any:
+    """The optimizer whose state this process holds: under torch's ``ZeroRedundancyOptimizer``
+    (ZeRO-1: the state sharded over the ranks) its local optimizer over this rank's partition
+    (``.optim``), whose ``state_dict()`` needs no collective; else ``optimizer`` itself."""
+    inner = getattr(optimizer, "optim", None)
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and isinstance(inner, torch.optim.Optimizer):
+        return inner
+    return optimizer
 
 
 def is_flat_param(p: Any) -> bool:

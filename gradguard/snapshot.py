@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import _io
+from ._compat import local_optimizer
 from ._shard import local_state, rewrap_optimizer_state, rewrap_state
 
 __all__ = ["load_optimizer_keeping_settings", "Snapshot", "SnapshotRing", "DiskSnapshots", "SnapshotUnavailable", "copy_state", "copy_into",
@@ -314,7 +315,9 @@ class SnapshotRing:
                  confirm_steps: int, scheduler: Any = None, scaler: Any = None,
                  disk_dir: str | None = None, run_id: str | None = None) -> None:
         self.model = model
-        self.optimizer = optimizer
+        # the state this process holds (ZeroRedundancyOptimizer: its local partition's optimizer; the
+        # settings live in the outer one's param groups, which it copies into the local one each step)
+        self.optimizer = local_optimizer(optimizer)
         self.scheduler = scheduler
         self.scaler = scaler
         self.ring_size = ring_size
@@ -330,7 +333,7 @@ class SnapshotRing:
         self.problems: list[str] = []
         self.run_id = run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(3)}"
         self.fingerprint = model_fingerprint(model)
-        self._structure = optimizer_structure(optimizer)
+        self._structure = optimizer_structure(self.optimizer)
         self._pending: list[dict[str, Any]] = []
         self._on_event: Any = None
         self.disk: DiskSnapshots | None = None

@@ -1,6 +1,7 @@
 """Worker for tests/test_scale.py: one rank of a 2-process CPU (gloo) plain-loop run, ``gg.Guard``
 on a DDP / FSDP2 / FSDP1 model (fsdp1_orig: ``use_orig_params=True``; fsdp1: flat
-parameters, one unit per Linear; fsdp1_one: one flat parameter for the whole model). Faults exist on rank 1 only. Writes what this rank saw to
+parameters, one unit per Linear; fsdp1_one: one flat parameter for the whole model; zero: DDP with
+the optimizer state sharded by ``ZeroRedundancyOptimizer``). Faults exist on rank 1 only. Writes what this rank saw to
 ``<out>/rank<R>.json``.
 
 usage: python -m torch.distributed.run --nproc_per_node 2 tests/plain_dist_worker.py OUT STRATEGY SCENARIO
@@ -47,7 +48,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def wrap(model: nn.Module, strategy: str) -> nn.Module:
-    if strategy == "ddp":
+    if strategy in ("ddp", "zero"):
         return nn.parallel.DistributedDataParallel(model)
     if strategy in ("fsdp2", "hsdp"):
         from torch.distributed.fsdp import fully_shard
@@ -118,7 +119,12 @@ def main(out: str, strategy: str, scenario: str) -> None:
     base = MLP()
     ref = reference_norms(base, world)
     model = wrap(base, strategy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if strategy == "zero":  # ZeRO-1: DDP with the optimizer state sharded (torch's ZeroRedundancyOptimizer)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ladder = [["tighten_clip", "adam"]] if scenario == "clip" else [["rollback", "lower_lr"]]
     recovery: dict = {"snapshot_interval": 2, "confirm_steps": 1}
     if scenario in ("disk", "disk_damaged"):

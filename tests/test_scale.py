@@ -1,5 +1,5 @@
 """Scale-out in the plain loop: ``gg.Guard`` on DDP, FSDP2 (``fully_shard``) and FSDP1 models (with and
-without ``use_orig_params``), two
+without ``use_orig_params``) and DDP with torch's ``ZeroRedundancyOptimizer`` (ZeRO-1: ``zero``), two
 gloo processes on the CPU (tests/plain_dist_worker.py under torchrun). Faults exist on rank 1 only
 (a NaN loss at step 4, a garbage-label window with a loss spike at steps 6-7): both ranks must take
 the same actions at the same steps, and the weights must match across ranks and strategies."""
@@ -49,7 +49,7 @@ def close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= tol * (1 + abs(y)) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1_orig", "fsdp1_one"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1_orig", "fsdp1_one", "zero"])
 def test_fault_on_one_rank_same_actions_on_both_and_norms_of_one_process(tmp_path_factory, strategy):
     r0, r1 = run(tmp_path_factory, strategy)
     same_decisions(r0, r1)
@@ -60,11 +60,11 @@ def test_fault_on_one_rank_same_actions_on_both_and_norms_of_one_process(tmp_pat
     assert set(r0["norms"]) == set(r0["ref"]) == {"layers.0", "layers.1", "layers.2"}
     for layer, ref in r0["ref"].items():
         assert r0["norms"][layer] == pytest.approx(ref, rel=1e-6)
-    if strategy != "ddp":  # the gathered sharded weights equal the DDP run's
+    if strategy != "ddp":  # the gathered sharded weights (zero: each rank restored its optimizer shard) are DDP's
         assert close(r0["params"], run(tmp_path_factory, "ddp")[0]["params"])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1_one"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1_one", "zero"])
 def test_clip_with_the_global_norm_adam_change_and_a_layer_lr_on_every_rank(tmp_path_factory, strategy):
     """Clipping on healthy steps, the adam rung, and from step 3 the middle layer's LR x0.1 (under
     fsdp1_one that layer is a slice of the one flat parameter, whose shard boundary cuts a weight)."""
