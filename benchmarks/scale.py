@@ -5,10 +5,12 @@ One command, every rank started here (``torch.multiprocessing``)::
     python benchmarks/scale.py                      # 2 gloo processes on the CPU
     python benchmarks/scale.py --backend nccl       # one process per GPU (NCCL)
 
-For each strategy (DDP, FSDP2 ``fully_shard``) the arms run interleaved, in rounds, on the same
-model, data and process group:
+For each strategy (DDP; ``zero``: DDP with torch's ``ZeroRedundancyOptimizer``; FSDP2
+``fully_shard``; ``fsdp1``: FSDP1 with flat parameters, one unit per layer) the arms run
+interleaved, in rounds, on the same model, data and process group:
 
-* ``unguarded``: ``backward`` + ``clip_grad_norm_`` + ``optimizer.step()`` (the usual loop);
+* ``unguarded``: ``backward`` + ``clip_grad_norm_`` (FSDP1: ``model.clip_grad_norm_``) +
+  ``optimizer.step()`` (the usual loop);
 * ``no_clip``: ``backward`` + ``optimizer.step()`` (no norm at all);
 * ``guard``: ``gg.Guard.step`` (norms, the step's one all-reduce, detection, clipping), no snapshots;
 * ``guard_snap``: the same with a snapshot of each rank's own state every step (the worst case:
@@ -70,8 +72,13 @@ class MLP(nn.Module):
 def build(strategy: str, args: argparse.Namespace, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     model = MLP(args.width, args.depth).to(device)
-    if strategy == "ddp":
+    if strategy in ("ddp", "zero"):
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if strategy == "fsdp1":  # FSDP1 with flat parameters (its default use_orig_params=False), a unit per layer
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=device)
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.layers:
@@ -105,7 +112,10 @@ def run_arm(arm: str, model: nn.Module, opt: torch.optim.Optimizer, guard: Any, 
             ranks.close_step([p for p in model.parameters() if p.requires_grad], len(x))
             ranks.release()
         if arm == "unguarded":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if hasattr(model, "clip_grad_norm_"):  # FSDP1: its own clip (the global norm: one all-reduce)
+                model.clip_grad_norm_(1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
         elif arm == "no_clip":
             opt.step()
@@ -155,7 +165,12 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
         names = arms_of(strategy)
         for arm in names:  # one model, optimizer and guard per arm (same initial weights and data)
             model = build(strategy, args, device)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            if strategy == "zero":  # ZeRO-1: the optimizer state sharded over the ranks
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+
+                opt: Any = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+            else:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             guard = None if arm in ("unguarded", "no_clip") else gg.Guard(model, opt, config=gg.GuardConfig.preset(
                 "default", output=quiet, recovery={"snapshot_interval": 1 if arm == "guard_snap" else 0}))
             arms[arm] = (model, opt, guard)
@@ -239,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     ap.add_argument("--nproc", type=int, default=0, help="processes (default: 2 for gloo, every GPU for nccl)")
-    ap.add_argument("--strategies", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"])
+    ap.add_argument("--strategies", nargs="+", default=["ddp", "zero", "fsdp2", "fsdp1"],
+                    choices=["ddp", "zero", "fsdp2", "fsdp1"])
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32)

@@ -25,7 +25,8 @@ from torch import nn
 
 from ._compat import dtensor_type, fsdp1_flat_pieces, fsdp1_shard_size, fsdp1_units, is_flat_param
 
-__all__ = ["Sharding", "sharding", "zero_touching", "unsupported_sharding", "local_state", "rewrap_state", "rewrap_optimizer_state"]
+__all__ = ["Sharding", "sharding", "zero_touching", "unsupported_sharding", "local_state", "rewrap_state",
+           "rewrap_optimizer_state", "model_state", "load_model_state"]
 
 
 def _dtensor() -> type | None:
@@ -139,6 +140,30 @@ def local_state(obj: Any) -> Any:
     if DTensor is None:
         return obj
     return _map(obj, lambda t: t.to_local() if isinstance(t, DTensor) else t)
+
+
+def model_state(model: nn.Module) -> dict[str, Any]:
+    """What a snapshot holds of ``model``: this process's own pieces, as plain tensors, without a
+    collective. Under FSDP1 (units inside ``model``) that is each parameter's local data (the flat
+    shard, or the ``use_orig_params`` views into it) and the buffers, read past FSDP1's
+    ``state_dict()`` (which gathers the full weights on every rank); else ``model.state_dict()``
+    with DTensors replaced by their local pieces."""
+    if fsdp1_units(model):
+        out: dict[str, Any] = {n: p.detach() for n, p in model.named_parameters()}
+        out.update({n: b for n, b in model.named_buffers()})
+        return out
+    return local_state(model.state_dict())
+
+
+@torch.no_grad()
+def load_model_state(model: nn.Module, saved: dict[str, Any]) -> None:
+    """Copy a :func:`model_state` back into ``model``'s live tensors (FSDP1: in place into each
+    parameter's local data; DTensors: each piece wrapped back)."""
+    if fsdp1_units(model):
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            t.copy_(saved[name])
+        return
+    model.load_state_dict(rewrap_state(saved, model.state_dict()))
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

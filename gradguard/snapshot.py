@@ -22,7 +22,7 @@ from torch import nn
 
 from . import _io
 from ._compat import local_optimizer
-from ._shard import local_state, rewrap_optimizer_state, rewrap_state
+from ._shard import load_model_state, local_state, model_state, rewrap_optimizer_state
 
 __all__ = ["load_optimizer_keeping_settings", "Snapshot", "SnapshotRing", "DiskSnapshots", "SnapshotUnavailable", "copy_state", "copy_into",
            "state_nbytes", "model_fingerprint", "optimizer_structure", "clean_orphans"]
@@ -36,7 +36,7 @@ from .errors import SnapshotUnavailable, warn  # noqa: E402  (one error hierarch
 def model_fingerprint(model: nn.Module) -> str:
     """A short hash of the model's state names and shapes: two runs of different models (or a
     model whose layout changed) never share one."""
-    return _fingerprint(model.state_dict())
+    return _fingerprint(model_state(model))
 
 
 def _fingerprint(model_state: dict[str, Any]) -> str:
@@ -387,7 +387,7 @@ class SnapshotRing:
         spare, self._spare = self._spare, None
         to_disk = self.disk is not None and self.disk_writable
         # sharded (FSDP): this process's own pieces, as plain tensors (gradguard._shard)
-        model_sd, opt_sd = local_state(self.model.state_dict()), local_state(self.optimizer.state_dict())
+        model_sd, opt_sd = model_state(self.model), local_state(self.optimizer.state_dict())
         if spare is not None and not to_disk:
             tensors = {"model": copy_into(spare["model"], model_sd),
                        "optimizer": copy_into(spare["optimizer"], opt_sd)}
@@ -494,11 +494,10 @@ class SnapshotRing:
 
     # -- restoring ---------------------------------------------------------------------------
     def live_layout(self) -> tuple[str, dict[str, Any]]:
-        """The model's fingerprint and its state's local tensors, from one ``state_dict()`` call.
-        Under FSDP1 that call is a collective (it gathers the weights): every process makes it at the
-        same point, before anything that may fail on one process only (reading a damaged file)."""
-        live = self.model.state_dict()
-        return _fingerprint(live), local_state(live)
+        """The model's fingerprint and its state's local tensors (:func:`gradguard._shard.model_state`,
+        no collective: a rank with a damaged file leaves no other waiting)."""
+        live = model_state(self.model)
+        return _fingerprint(live), live
 
     def check_restorable(self, state: dict[str, Any], layout: tuple[str, dict[str, Any]] | None = None) -> None:
         """Raise ``ValueError`` naming the problem unless ``state`` fits this model and optimizer
@@ -563,7 +562,7 @@ class SnapshotRing:
             return self.load_state(snap)[1]
         if self.disk is None or "path" not in snap.meta:
             raise SnapshotUnavailable(f"snapshot of step {snap.step} holds no state")
-        layout = self.live_layout()  # first, on every process alike (see live_layout)
+        layout = self.live_layout()
         try:
             state = self.disk.load(snap.step)
             self.check_restorable(state, layout)
@@ -582,8 +581,8 @@ class SnapshotRing:
             st = state
         else:
             snap, st = self.load_state(snap)
-        # copies into the existing parameters (sharded: each piece back into its DTensor)
-        self.model.load_state_dict(rewrap_state(st["model"], self.model.state_dict()))
+        # copies into the existing parameters (sharded: each piece back into its DTensor or FSDP1 shard)
+        load_model_state(self.model, st["model"])
         # one restore for every tier: optimizer state back, its current settings kept
         load_optimizer_keeping_settings(self.optimizer, rewrap_optimizer_state(st["optimizer"], self.optimizer),
                                         restore_schedule=restore_schedule)

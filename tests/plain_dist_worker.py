@@ -167,8 +167,10 @@ def main(out: str, strategy: str, scenario: str) -> None:
         if scenario.startswith("disk") and guard.snapshots is not None and guard.snapshots.disk is not None:
             d = guard.snapshots.disk.directory
             disk_files = [os.path.join(os.path.basename(d), f) for f in sorted(os.listdir(d))] or disk_files
-        if resume and step == 8:  # a new guard from this one's state, as after a restart
-            state = guard.state_dict()
+        if resume and step == 8:  # a new guard from rank 0's state on every rank, as after a restart
+            box = [guard.state_dict()]
+            torch.distributed.broadcast_object_list(box, src=0)
+            state = box[0]
             guard.close()
             guard = gg.Guard(model, opt, config=conf)
             guard.load_state_dict(state)

@@ -175,11 +175,14 @@ def test_scale_benchmark_structure(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(next(tmp_path.glob("scale-*-gloo2.json")).read_text())
-    assert doc["world"] == 2 and set(doc["results"]) == {"ddp", "fsdp2"}
+    assert doc["world"] == 2 and set(doc["results"]) == {"ddp", "zero", "fsdp2", "fsdp1"}
     for strategy, r in doc["results"].items():
         want = {"no_clip", "guard", "guard_snap"} | ({"guard_sync"} if strategy == "ddp" else set())
         assert set(r["ratio_vs_unguarded"]) == want and r["collective_s"] > 0
         assert r["snapshot_bytes_per_rank"] > 0 and r["packed_floats"] == r["layers"] + 3
     # each rank snapshots only its shard under FSDP2: half the DDP replica's bytes (2 ranks)
     assert doc["results"]["fsdp2"]["snapshot_bytes_per_rank"] < doc["results"]["ddp"]["snapshot_bytes_per_rank"]
-    assert "| fsdp2 |" in next(tmp_path.glob("scale-*.md")).read_text()
+    # ZeRO-1: the same model, each rank's own half of the optimizer state
+    assert doc["results"]["zero"]["snapshot_bytes_per_rank"] < doc["results"]["ddp"]["snapshot_bytes_per_rank"]
+    table = next(tmp_path.glob("scale-*.md")).read_text()
+    assert all(f"| {s} |" in table for s in ("ddp", "zero", "fsdp2", "fsdp1"))

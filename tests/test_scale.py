@@ -88,10 +88,13 @@ def test_fsdp2_disk_snapshots_one_file_per_rank_and_the_same_rollback(tmp_path_f
     assert ddp["actions"] == r0["actions"] and close(r0["params"], ddp["params"])
 
 
-def test_fsdp2_resume_restores_the_guard_on_every_rank(tmp_path_factory):
-    r0, r1 = run(tmp_path_factory, "fsdp2", "resume")
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1_one"])
+def test_sharded_resume_restores_the_guard_on_every_rank(tmp_path_factory, strategy):
+    """The state saved by each rank loads on every rank (its model signature uses the unsharded
+    names and shapes, also of FSDP1 flat parameters)."""
+    r0, r1 = run(tmp_path_factory, strategy, "resume")
     same_decisions(r0, r1)
-    plain = run(tmp_path_factory, "fsdp2")[0]
+    plain = run(tmp_path_factory, strategy)[0]
     # a new guard loaded at step 8 carries on exactly as the original (LR multiplier, counters, clip)
     assert r0["steps"] == 12 and r0["mult"] == plain["mult"] < 1
     assert close(r0["params"], plain["params"], 1e-6)

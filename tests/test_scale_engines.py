@@ -46,7 +46,7 @@ def test_lightning_fault_on_one_rank_same_actions_norms_of_one_process_weights_o
         assert close(r0["params"], lit(tmp_path_factory, "ddp")[0]["params"])
 
 
-@pytest.mark.parametrize("strategy", SHARDED)
+@pytest.mark.parametrize("strategy", [*SHARDED, "fsdp_flat"])
 def test_lightning_sharded_resume_restores_the_guard_on_every_rank(tmp_path_factory, strategy):
     r0, r1 = lit(tmp_path_factory, strategy, "resume")
     for r in (r0, r1):
