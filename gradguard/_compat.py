@@ -30,7 +30,7 @@ __all__ = [
     "swap_class", "check_features", "versions", "has_foreach_support", "device_dtype_groups", "HF_NORM_METHOD", "hf_norm_pass_plain",
     "pl_log_step", "pl_should_update_logs",
     "swap_class", "check_features", "versions", "dtensor_type", "fsdp1_units", "fsdp1_uses_orig_params",
-    "fsdp1_shard_size", "fsdp1_full_shapes", "fsdp1_flat_pieces", "FlatPiece", "is_flat_param", "local_optimizer", "ddp_wrapper", "ddp_broadcast_buffers_at_next_forward",
+    "fsdp1_shard_size", "fsdp1_full_shapes", "fsdp1_flat_pieces", "FlatPiece", "is_flat_param", "local_optimizer", "sync_local_param_groups", "ddp_wrapper", "ddp_broadcast_buffers_at_next_forward",
 ]
 
 _MISSING = object()
@@ -460,6 +460,20 @@ def local_optimizer(optimizer: Any) -> Any:
     if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and isinstance(inner, torch.optim.Optimizer):
         return inner
     return optimizer
+
+
+def sync_local_param_groups(optimizer: Any) -> None:
+    """After a change to ``optimizer.param_groups`` made *inside* its ``step`` (Lightning's closure
+    runs there): a ``ZeroRedundancyOptimizer`` copied its groups' settings into its local optimizer
+    when the step began, so copy them again (every key but ``params``), or the change would reach
+    the local optimizer one step late. Nothing for other optimizers."""
+    inner = local_optimizer(optimizer)
+    if inner is optimizer:
+        return
+    for outer, local in zip(optimizer.param_groups, inner.param_groups):
+        for k, v in outer.items():
+            if k != "params":
+                local[k] = v
 
 
 def is_flat_param(p: Any) -> bool:

@@ -28,6 +28,7 @@ from ._compat import (
     scaler_found_inf,
     scaler_scale,
     set_scaler_scale,
+    sync_local_param_groups,
 )
 from ._shard import sharding
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
@@ -745,6 +746,7 @@ class GuardCore:
             yield
         finally:
             self.lr.rearm()
+            sync_local_param_groups(self.optimizer)  # ZeroRedundancyOptimizer: this step's settings
 
     def detach(self) -> dict[str, Any]:
         """Remove the guard's optimizer hooks and close its sinks (end of an engine run)."""

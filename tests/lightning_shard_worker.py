@@ -117,6 +117,10 @@ class Lit(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self.kind == "ddp_zero":  # ZeRO-1: the optimizer state sharded over the ranks
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
@@ -187,7 +191,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
                             "loss": r.loss, "total": r.total_norm, "norms": r.layer_norms})
 
     def trainer(steps: int, extra: list) -> L.Trainer:
-        if strategy == "ddp":
+        if strategy in ("ddp", "ddp_zero"):
             st: object = "ddp"
         elif strategy == "model_parallel":
             st = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)

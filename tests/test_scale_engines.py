@@ -13,7 +13,8 @@ from tests.test_scale import close, run
 pytestmark = pytest.mark.slow
 
 WORKER = "lightning_shard_worker.py"
-# fsdp: units wrapped in configure_model; fsdp_root: one root unit; *_flat: the same with flat
+# ddp_zero: DDP with a ZeroRedundancyOptimizer (ZeRO-1); fsdp: units wrapped in configure_model;
+# fsdp_root: one root unit; *_flat: the same with flat
 # parameters (use_orig_params=False: layers measured on slices of the flat shards)
 SHARDED = ["model_parallel", "fsdp"]
 
@@ -22,12 +23,12 @@ def lit(tmp_path_factory, strategy: str, scenario: str = "default") -> tuple[dic
     return run(tmp_path_factory, strategy, scenario, worker=WORKER)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", *SHARDED, "fsdp_root", "fsdp_flat", "fsdp_root_flat"])
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_zero", *SHARDED, "fsdp_root", "fsdp_flat", "fsdp_root_flat"])
 def test_lightning_fault_on_one_rank_same_actions_norms_of_one_process_weights_of_ddp(tmp_path_factory, strategy):
     r0, r1 = lit(tmp_path_factory, strategy)
     assert r0["records"] == r1["records"]  # every step: the same findings, actions, skips, loss and norms
     assert r0["params"] == r1["params"]  # every parameter (gathered when sharded) identical on both ranks
-    assert r0["sharded"] is (strategy != "ddp")
+    assert r0["sharded"] is (strategy not in ("ddp", "ddp_zero"))  # ddp_zero: DDP + ZeroRedundancyOptimizer
     assert [(r["step"], r["actions"]) for r in r0["records"] if r["actions"]] == [
         (7, [["rollback", 2], ["skip_data", None], ["lower_lr", None]])]
     assert [r["step"] for r in r0["records"] if r["skipped"]] == [4, 6, 7]
@@ -42,7 +43,7 @@ def test_lightning_fault_on_one_rank_same_actions_norms_of_one_process_weights_o
     assert set(first) == set(r0["ref"]) == {"net.layers.0", "net.layers.1", "net.layers.2"}
     for layer, ref in r0["ref"].items():
         assert first[layer] == pytest.approx(ref, rel=1e-6)
-    if strategy != "ddp":  # each rank restored its own shards: the gathered weights are DDP's
+    if strategy != "ddp":  # each rank restored its own shards (ddp_zero: its optimizer partition): DDP's weights
         assert close(r0["params"], lit(tmp_path_factory, "ddp")[0]["params"])
 
 
