@@ -26,7 +26,7 @@ from torch import nn
 from ._compat import dtensor_type, fsdp1_flat_pieces, fsdp1_shard_size, fsdp1_units, is_flat_param
 
 __all__ = ["Sharding", "sharding", "zero_touching", "unsupported_sharding", "local_state", "rewrap_state",
-           "rewrap_optimizer_state", "model_state", "load_model_state"]
+           "rewrap_optimizer_state", "model_state", "load_model_state", "local_pieces"]
 
 
 def _dtensor() -> type | None:
@@ -131,6 +131,15 @@ def zero_touching(params: list[torch.Tensor], device: torch.device) -> torch.Ten
         if local.numel():
             total = total + local.reshape(-1)[:1].sum()
     return total * 0.0
+
+
+def local_pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each DTensor replaced by its local piece (which shares its storage: in-place work on it
+    changes the DTensor); ``tensors`` itself when none is a DTensor."""
+    DTensor = _dtensor()
+    if DTensor is None or not any(isinstance(t, DTensor) for t in tensors):
+        return tensors
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 # -- snapshots: each process keeps its own pieces -----------------------------------------------------

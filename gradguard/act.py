@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ._shard import local_pieces
 from .config import AdamConfig, ClipConfig, LRConfig
 from .errors import AttachError, UnsupportedSetupError  # AttachError: re-exported here too
 from .measure import LayerMap
@@ -107,7 +108,9 @@ class ClipController:
         if max_norm is None or not math.isfinite(total_norm) or total_norm <= max_norm or not grads:
             return False
         coef = max_norm / (total_norm + 1e-6)
-        torch._foreach_mul_(grads, coef)
+        # sharded gradients scaled through their local pieces (tensor parallelism mixes DTensor and
+        # plain gradients, which one fused kernel refuses)
+        torch._foreach_mul_(local_pieces(grads), coef)
         self.clipped += 1
         return True
 

@@ -1,7 +1,8 @@
 """Worker for tests/test_scale.py: one rank of a 2-process CPU (gloo) plain-loop run, ``gg.Guard``
 on a DDP / FSDP2 / FSDP1 model (fsdp1_orig: ``use_orig_params=True``; fsdp1: flat
 parameters, one unit per Linear; fsdp1_one: one flat parameter for the whole model; zero: DDP with
-the optimizer state sharded by ``ZeroRedundancyOptimizer``). Faults exist on rank 1 only. Writes what this rank saw to
+the optimizer state sharded by ``ZeroRedundancyOptimizer``; tp: tensor parallelism, layers.0
+column-wise and layers.1 row-wise, every rank on the same batch). Faults exist on rank 1 only. Writes what this rank saw to
 ``<out>/rank<R>.json``.
 
 usage: python -m torch.distributed.run --nproc_per_node 2 tests/plain_dist_worker.py OUT STRATEGY SCENARIO
@@ -63,6 +64,12 @@ def wrap(model: nn.Module, strategy: str) -> nn.Module:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
+    if strategy == "tp":  # tensor parallelism: layers.0 column-wise, layers.1 row-wise (DTensor shards)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        return parallelize_module(model, mesh, {"layers.0": ColwiseParallel(), "layers.1": RowwiseParallel()})
     if strategy in ("fsdp1", "fsdp1_orig", "fsdp1_one"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -117,7 +124,8 @@ def main(out: str, strategy: str, scenario: str) -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     base = MLP()
-    ref = reference_norms(base, world)
+    tp = strategy == "tp"  # tensor parallelism: every rank computes on the same batch (rank 0's)
+    ref = reference_norms(base, 1 if tp else world)
     model = wrap(base, strategy)
     if strategy == "zero":  # ZeRO-1: DDP with the optimizer state sharded (torch's ZeroRedundancyOptimizer)
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -145,7 +153,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
     reports = []
     disk_files: list[str] = []
     for step in range(1, STEPS + 1):
-        x, y = batch(step, rank)
+        x, y = batch(step, 0 if tp else rank)
         if rank == 1 and step in (6, 7):
             y = torch.randint(0, 5, y.shape, generator=torch.Generator().manual_seed(step))  # garbage labels
             x = x * 300

@@ -1,5 +1,6 @@
 """Scale-out in the plain loop: ``gg.Guard`` on DDP, FSDP2 (``fully_shard``) and FSDP1 models (with and
-without ``use_orig_params``) and DDP with torch's ``ZeroRedundancyOptimizer`` (ZeRO-1: ``zero``), two
+without ``use_orig_params``), DDP with torch's ``ZeroRedundancyOptimizer`` (ZeRO-1: ``zero``) and tensor
+parallelism (``tp``), two
 gloo processes on the CPU (tests/plain_dist_worker.py under torchrun). Faults exist on rank 1 only
 (a NaN loss at step 4, a garbage-label window with a loss spike at steps 6-7): both ranks must take
 the same actions at the same steps, and the weights must match across ranks and strategies."""
@@ -49,8 +50,11 @@ def close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= tol * (1 + abs(y)) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1_orig", "fsdp1_one", "zero"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1_orig", "fsdp1_one", "zero", "tp"])
 def test_fault_on_one_rank_same_actions_on_both_and_norms_of_one_process(tmp_path_factory, strategy):
+    """tp (tensor parallelism: two DTensor-sharded layers beside a plain one, every rank on rank 0's
+    batch): the norms are one process's on that batch, and a clip scales DTensor and plain
+    gradients together (one fused kernel refused the mix)."""
     r0, r1 = run(tmp_path_factory, strategy)
     same_decisions(r0, r1)
     assert r0["skipped"] == [4, 6, 7]  # the NaN step and the spike window, on both ranks
@@ -60,7 +64,9 @@ def test_fault_on_one_rank_same_actions_on_both_and_norms_of_one_process(tmp_pat
     assert set(r0["norms"]) == set(r0["ref"]) == {"layers.0", "layers.1", "layers.2"}
     for layer, ref in r0["ref"].items():
         assert r0["norms"][layer] == pytest.approx(ref, rel=1e-6)
-    if strategy != "ddp":  # the gathered sharded weights (zero: each rank restored its optimizer shard) are DDP's
+    if strategy == "tp":
+        assert r0["clipped"]  # healthy steps clipped (max_norm 1.0) across the mixed gradients
+    elif strategy != "ddp":  # the gathered sharded weights (zero: each rank restored its optimizer shard) are DDP's
         assert close(r0["params"], run(tmp_path_factory, "ddp")[0]["params"])
 
 
