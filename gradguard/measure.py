@@ -581,7 +581,9 @@ class GradMeasurer:
     def update_ratios(self, before: list[torch.Tensor]) -> tuple[list[float], list[float]]:
         """Per-layer ||update|| / ||weight|| given copies of the parameters taken before the step."""
         now = self.layers.tensors()
-        deltas = torch._foreach_sub(now, before)
+        kinds = {type(t) for t in now}
+        # one fused kernel per type: tensor parallelism mixes DTensor and plain parameters
+        deltas = torch._foreach_sub(now, before) if len(kinds) == 1 else [a - b for a, b in zip(now, before)]
         upd = self._layer_norms_of(deltas)
         wn = self._layer_norms_of(now)
         return [u / w if w > 0 else 0.0 for u, w in zip(upd, wn)], wn

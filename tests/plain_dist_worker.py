@@ -141,6 +141,8 @@ def main(out: str, strategy: str, scenario: str) -> None:
     over: dict = {}
     if scenario == "clip":  # clipping on healthy steps, with the global norm
         over["clip"] = {"max_norm": 0.4, "floor": 0.1}
+    if strategy == "tp":  # parameter norms and update ratios (DTensor and plain parameters) every 3 steps
+        over["measure"] = {"log_interval": 3}
     conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out}, policy={"ladder": ladder},
                                  recovery=recovery, detect={"warmup_steps": 3}, **over)
     try:
@@ -184,6 +186,8 @@ def main(out: str, strategy: str, scenario: str) -> None:
             guard.load_state_dict(state)
     events = [json.loads(line) for line in open(guard.log_path)] if guard.log_path and rank == 0 else []
     fallbacks = [e for e in events if e["type"] == "snapshot_fallback"]
+    ratio_steps = [e["step"] for e in events if e["type"] == "metrics"
+                   and any(k.startswith("gradguard/update_ratio/") for k in e)]
     digest = hashlib.sha256(json.dumps(full_params(model)).encode()).hexdigest()
     first = reports[0]
     res = {"rank": rank, "world": world, "strategy": strategy,
@@ -195,7 +199,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
            "losses": [r.loss for r in reports], "totals": [r.total_norm for r in reports], "mult": guard.lr.global_mult, "layer_mult": dict(guard.lr.layer_mult), "max_norm": guard.clip.max_norm,
            "steps": guard.step_count, "weights": digest, "params": full_params(model),
            "betas": [list(g["betas"]) for g in opt.param_groups], "disk_files": disk_files,
-           "pid": os.getpid(), "fallbacks": fallbacks, "log": guard.log_path}
+           "pid": os.getpid(), "fallbacks": fallbacks, "ratio_steps": ratio_steps, "log": guard.log_path}
     guard.close()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(res, fh)

@@ -53,8 +53,8 @@ def close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1_orig", "fsdp1_one", "zero", "tp"])
 def test_fault_on_one_rank_same_actions_on_both_and_norms_of_one_process(tmp_path_factory, strategy):
     """tp (tensor parallelism: two DTensor-sharded layers beside a plain one, every rank on rank 0's
-    batch): the norms are one process's on that batch, and a clip scales DTensor and plain
-    gradients together (one fused kernel refused the mix)."""
+    batch): the norms are one process's on that batch, and a clip and the update ratios handle
+    DTensor and plain tensors together (one fused kernel refused the mix)."""
     r0, r1 = run(tmp_path_factory, strategy)
     same_decisions(r0, r1)
     assert r0["skipped"] == [4, 6, 7]  # the NaN step and the spike window, on both ranks
@@ -66,6 +66,7 @@ def test_fault_on_one_rank_same_actions_on_both_and_norms_of_one_process(tmp_pat
         assert r0["norms"][layer] == pytest.approx(ref, rel=1e-6)
     if strategy == "tp":
         assert r0["clipped"]  # healthy steps clipped (max_norm 1.0) across the mixed gradients
+        assert r0["ratio_steps"]  # update ratios of the mixed parameters (log_interval 3) written
     elif strategy != "ddp":  # the gathered sharded weights (zero: each rank restored its optimizer shard) are DDP's
         assert close(r0["params"], run(tmp_path_factory, "ddp")[0]["params"])
 
