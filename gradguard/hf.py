@@ -126,7 +126,9 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         return guard if guard is not None or self.decision is None else self.decision.replay_clip
 
     def _validate(self, args: Any, optimizer: Any) -> bool:
-        return validate(self.config, args, optimizer)
+        from transformers import Trainer
+
+        return validate(self.config, args, optimizer, find_caller(Trainer, start=2))
 
     # -- Trainer events --------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

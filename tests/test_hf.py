@@ -327,6 +327,18 @@ def test_validation_errors_name_field_value_and_fix(tmp_path):
     with pytest.raises(gg.UnsupportedSetupError, match=r"fsdp='full_shard'.*accelerate shards only on an "
                        r"accelerator.*Fix: .*ModelParallelStrategy.*fully_shard.*gradguard\.Guard"):
         cb._validate(_args(fsdp="full_shard"), opt)
+    # FSDP / DeepSpeed enabled by `accelerate launch` (its plugin, not TrainingArguments): the Trainer says so
+    from gradguard._hf.setup import validate
+
+    launched = make_trainer(tmp_path, [], steps=2)
+    launched.is_fsdp_enabled = True  # as accelerate's FSDP plugin sets it (on an accelerator only)
+    with pytest.raises(gg.UnsupportedSetupError, match=r"Trainer\.is_fsdp_enabled=True.*Fix: "):
+        validate(cb.config, _args(), opt, launched)
+    launched.is_fsdp_enabled, launched.is_deepspeed_enabled = False, True
+    with pytest.raises(gg.UnsupportedSetupError, match=r"Trainer\.is_deepspeed_enabled=True.*DeepSpeed steps.*Fix: "):
+        validate(cb.config, _args(), opt, launched)
+    launched.is_deepspeed_enabled = False
+    assert validate(cb.config, _args(), opt, launched)  # the plain CPU Trainer: guarded
     with pytest.raises(gg.ConfigError, match=r"optim='adalomo'.*Fix:"):
         cb._validate(_args(optim="adalomo"), opt)
     with pytest.raises(gg.ConfigError, match=r"optimizer=object.*param_groups.*Fix:"):

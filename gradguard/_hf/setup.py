@@ -28,11 +28,11 @@ HF_DEFAULT_MAX_GRAD_NORM = 1.0  # TrainingArguments.max_grad_norm's default
 _CLIP_SETTING = "TrainingArguments.max_grad_norm"
 
 
-def validate(config: GuardConfig, args: Any, optimizer: Any) -> bool:
+def validate(config: GuardConfig, args: Any, optimizer: Any, trainer: Any = None) -> bool:
     """Whether gradguard guards this setup (False: monitor mode on an unsupported one, standing aside);
     a config or setup it refuses raises at ``on_train_begin``."""
     check_ladder(config)
-    ok = refuse_unsupported(config, unsupported(args, optimizer))
+    ok = refuse_unsupported(config, unsupported(args, optimizer, trainer))
     if ok:
         resolve_clip(config, args.max_grad_norm, engine_default=HF_DEFAULT_MAX_GRAD_NORM, setting=_CLIP_SETTING)
     return ok
@@ -83,16 +83,22 @@ def build(cfg: GuardConfig, replay_clip: float | None, args: Any, model: Any, op
     return core, runner, decision, batches
 
 
-def unsupported(args: Any, optimizer: Any) -> dict[str, str]:
-    """What in this Trainer setup gradguard cannot guard (see ``gradguard.adapter.refuse_unsupported``)."""
+def unsupported(args: Any, optimizer: Any, trainer: Any = None) -> dict[str, str]:
+    """What in this Trainer setup gradguard cannot guard (see ``gradguard.adapter.refuse_unsupported``).
+    ``trainer``: also FSDP and DeepSpeed enabled outside ``TrainingArguments`` (``accelerate launch``
+    with an FSDP or DeepSpeed config: the Trainer's ``is_fsdp_enabled`` / ``is_deepspeed_enabled``)."""
     out: dict[str, str] = {}
     if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None) is not None:
         ds = args.deepspeed
         clip = ds.get("gradient_clipping") if isinstance(ds, dict) else None
         out.update(engine_refusal("deepspeed", f"TrainingArguments.deepspeed={ds!r}",
                                   f" (gradient_clipping={clip!r})"))
+    elif getattr(trainer, "is_deepspeed_enabled", False) is True:
+        out.update(engine_refusal("deepspeed", "Trainer.is_deepspeed_enabled=True (accelerate's DeepSpeed plugin)"))
     if getattr(args, "fsdp", None) and args.fsdp not in ("", [], None):
         out.update(engine_refusal("fsdp", f"TrainingArguments.fsdp={args.fsdp!r}"))
+    elif getattr(trainer, "is_fsdp_enabled", False) is True:
+        out.update(engine_refusal("fsdp", "Trainer.is_fsdp_enabled=True (accelerate's FSDP plugin)"))
     optim_name = str(getattr(args, "optim", "")).lower()
     if any(optim_name.endswith(n) or optim_name == n for n in _UNSKIPPABLE_OPTIMS):
         out[f"TrainingArguments.optim={args.optim!r}"] = (
