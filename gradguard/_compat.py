@@ -30,7 +30,7 @@ __all__ = [
     "swap_class", "check_features", "versions", "has_foreach_support", "device_dtype_groups", "HF_NORM_METHOD", "hf_norm_pass_plain",
     "pl_log_step", "pl_should_update_logs",
     "swap_class", "check_features", "versions", "dtensor_type", "fsdp1_units", "fsdp1_uses_orig_params",
-    "fsdp1_shard_size", "fsdp1_full_shapes", "fsdp1_flat_pieces", "FlatPiece", "is_flat_param", "local_optimizer", "sync_local_param_groups", "ddp_wrapper", "ddp_broadcast_buffers_at_next_forward",
+    "fsdp1_shard_size", "fsdp1_full_shapes", "fsdp1_flat_pieces", "FlatPiece", "is_flat_param", "local_optimizer", "sync_local_param_groups", "placement_shards", "ddp_wrapper", "ddp_broadcast_buffers_at_next_forward",
 ]
 
 _MISSING = object()
@@ -450,6 +450,14 @@ class FlatPiece:
     numel: int
     shape: tuple[int, ...]
     module: Any
+
+
+def placement_shards(placement: Any) -> bool:
+    """Whether a DTensor placement splits the tensor over its mesh dimension: ``Shard``, and the
+    private ``_StridedShard`` that FSDP2 puts on a dimension tensor parallelism already shards (it is
+    not a ``Shard`` subclass, and its ``is_shard()`` answers False in torch 2.13)."""
+    return bool(placement.is_shard()) or type(placement).__name__ in ("_StridedShard", "StridedShard") \
+        or hasattr(placement, "split_factor")
 
 
 def local_optimizer(optimizer: Any) -> Any:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._compat import dtensor_type, fsdp1_flat_pieces, fsdp1_shard_size, fsdp1_units, is_flat_param
+from ._compat import dtensor_type, fsdp1_flat_pieces, fsdp1_shard_size, fsdp1_units, is_flat_param, placement_shards
 
 __all__ = ["Sharding", "sharding", "zero_touching", "unsupported_sharding", "local_state", "rewrap_state",
            "rewrap_optimizer_state", "model_state", "load_model_state", "local_pieces"]
@@ -61,7 +61,7 @@ class Sharding:
         mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
         copies = 1
         for dim, placement in enumerate(placements):
-            if not placement.is_shard():
+            if not placement_shards(placement):  # replicated (or pending a sum) along this mesh dimension
                 copies *= mesh.size(dim)
         # a mesh smaller than the world (pipeline stages): ranks outside it hold other tensors
         return copies * max(1, self.world // max(1, mesh.size()))

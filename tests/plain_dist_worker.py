@@ -64,6 +64,17 @@ def wrap(model: nn.Module, strategy: str) -> nn.Module:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
+    if strategy == "fsdp_tp":  # 2-D, as torchtitan: tensor parallel inside pairs of ranks, FSDP2 across them
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"layers.0": ColwiseParallel(), "layers.1": RowwiseParallel()})
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model
     if strategy == "tp":  # tensor parallelism: layers.0 column-wise, layers.1 row-wise (DTensor shards)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -81,11 +92,11 @@ def wrap(model: nn.Module, strategy: str) -> nn.Module:
     raise SystemExit(f"unknown strategy {strategy}")
 
 
-def reference_norms(seed_model: nn.Module, world: int) -> dict[str, float]:
-    """Step 1's per-layer gradient norms of the same model on the batches of every rank, in one process."""
+def reference_norms(seed_model: nn.Module, ranks: list[int]) -> dict[str, float]:
+    """Step 1's per-layer gradient norms of the same model on the batches of ``ranks`` together, in one process."""
     ref = MLP()
     ref.load_state_dict(seed_model.state_dict())
-    xs, ys = zip(*(batch(1, r) for r in range(world)))
+    xs, ys = zip(*(batch(1, r) for r in ranks))
     nn.functional.cross_entropy(ref(torch.cat(xs)), torch.cat(ys)).backward()
     sq: dict[str, float] = {}
     for name, p in ref.named_parameters():
@@ -124,8 +135,11 @@ def main(out: str, strategy: str, scenario: str) -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     base = MLP()
-    tp = strategy == "tp"  # tensor parallelism: every rank computes on the same batch (rank 0's)
-    ref = reference_norms(base, 1 if tp else world)
+    # tensor parallelism: the ranks of a tensor-parallel group compute on the same batch (tp: rank 0's;
+    # fsdp_tp: each data-parallel pair on its first rank's)
+    data_rank = {"tp": 0, "fsdp_tp": rank - rank % 2}.get(strategy, rank)
+    ref_ranks = {"tp": [0], "fsdp_tp": list(range(0, world, 2))}.get(strategy, list(range(world)))
+    ref = reference_norms(base, ref_ranks)
     model = wrap(base, strategy)
     if strategy == "zero":  # ZeRO-1: DDP with the optimizer state sharded (torch's ZeroRedundancyOptimizer)
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -141,7 +155,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
     over: dict = {}
     if scenario == "clip":  # clipping on healthy steps, with the global norm
         over["clip"] = {"max_norm": 0.4, "floor": 0.1}
-    if strategy == "tp":  # parameter norms and update ratios (DTensor and plain parameters) every 3 steps
+    if strategy in ("tp", "fsdp_tp"):  # parameter norms and update ratios (DTensor and plain parameters) every 3 steps
         over["measure"] = {"log_interval": 3}
     conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out}, policy={"ladder": ladder},
                                  recovery=recovery, detect={"warmup_steps": 3}, **over)
@@ -155,7 +169,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
     reports = []
     disk_files: list[str] = []
     for step in range(1, STEPS + 1):
-        x, y = batch(step, 0 if tp else rank)
+        x, y = batch(step, data_rank)
         if rank == 1 and step in (6, 7):
             y = torch.randint(0, 5, y.shape, generator=torch.Generator().manual_seed(step))  # garbage labels
             x = x * 300

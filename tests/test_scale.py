@@ -148,6 +148,21 @@ def test_hybrid_sharding_2x2_mesh_norms_of_one_process_same_actions_on_four_rank
         assert r0["norms"][layer] == pytest.approx(ref, rel=1e-6)
 
 
+def test_fsdp2_with_tensor_parallelism_2d_mesh_norms_of_one_process_same_actions_on_four_ranks(tmp_path_factory):
+    """torchtitan's layout: tensor parallelism in pairs of ranks, FSDP2 across the pairs (4 processes).
+    FSDP2 shards a column-parallel weight again along the dimension TP already splits
+    (``_StridedShard``, which is not a ``Shard``): such a piece counts once, not as a replica (its
+    layer's norm was 1/sqrt(2) of one process's); the update ratios of DTensor parameters are written."""
+    ranks = run(tmp_path_factory, "fsdp_tp", nproc=4)
+    for r in ranks[1:]:
+        same_decisions(ranks[0], r)
+    r0 = ranks[0]
+    assert r0["world"] == 4 and r0["skipped"] == [4, 6, 7] and r0["ratio_steps"]
+    assert set(r0["norms"]) == set(r0["ref"]) == {"layers.0", "layers.1", "layers.2"}
+    for layer, ref in r0["ref"].items():
+        assert r0["norms"][layer] == pytest.approx(ref, rel=1e-6)
+
+
 def test_ddp_out_of_memory_on_one_rank_every_rank_shrinks_the_same_way(tmp_path_factory):
     """``Guard.accumulate`` on DDP: rank 1 alone cannot fit more than 3 samples from step 3 on. It runs
     its samples again in pieces while rank 0 waits in no collective; then both ranks take the same
