@@ -88,7 +88,12 @@ class Lit(L.LightningModule):
         self.kind = strategy
 
     def configure_model(self) -> None:
-        if self.kind == "model_parallel":
+        if self.kind == "model_parallel_tp":  # tensor parallelism over both ranks (every rank on the same batch)
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            parallelize_module(self.net, self.device_mesh["tensor_parallel"],
+                               {"layers.0": ColwiseParallel(), "layers.1": RowwiseParallel()})
+        elif self.kind == "model_parallel":
             from torch.distributed.fsdp import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
@@ -195,6 +200,8 @@ def main(out: str, strategy: str, scenario: str) -> None:
             st: object = "ddp"
         elif strategy == "model_parallel":
             st = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        elif strategy == "model_parallel_tp":
+            st = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
         else:
             # fsdp_root_flat: the root unit with flat parameters (use_orig_params=False)
             flat = {"use_orig_params": False} if strategy == "fsdp_root_flat" else {}
@@ -204,7 +211,9 @@ def main(out: str, strategy: str, scenario: str) -> None:
                          enable_checkpointing=bool(extra), default_root_dir=out, use_distributed_sampler=False)
 
     # the same samples per rank under every strategy (ModelParallelStrategy's sampler orders them otherwise)
-    sampler = torch.utils.data.DistributedSampler(data(), num_replicas=2, rank=int(os.environ["RANK"]), shuffle=False)
+    tp = strategy == "model_parallel_tp"  # one tensor-parallel group: both ranks read rank 0's samples
+    sampler = torch.utils.data.DistributedSampler(data(), num_replicas=1 if tp else 2,
+                                                  rank=0 if tp else int(os.environ["RANK"]), shuffle=False)
     loader = torch.utils.data.DataLoader(data(), batch_size=BATCH, sampler=sampler)
     cb = GradGuardCallback(conf)
     res: dict = {}

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow
 WORKER = "lightning_shard_worker.py"
 # ddp_zero: DDP with a ZeroRedundancyOptimizer (ZeRO-1); fsdp: units wrapped in configure_model;
 # fsdp_root: one root unit; *_flat: the same with flat
-# parameters (use_orig_params=False: layers measured on slices of the flat shards)
+# parameters (use_orig_params=False: layers measured on slices of the flat shards); model_parallel_tp:
+# ModelParallelStrategy with tensor_parallel_size=2 (a column- and a row-parallel layer, both ranks
+# on the same batch)
 SHARDED = ["model_parallel", "fsdp"]
 
 
@@ -23,7 +25,8 @@ def lit(tmp_path_factory, strategy: str, scenario: str = "default") -> tuple[dic
     return run(tmp_path_factory, strategy, scenario, worker=WORKER)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_zero", *SHARDED, "fsdp_root", "fsdp_flat", "fsdp_root_flat"])
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_zero", *SHARDED, "fsdp_root", "fsdp_flat", "fsdp_root_flat",
+                                      "model_parallel_tp"])
 def test_lightning_fault_on_one_rank_same_actions_norms_of_one_process_weights_of_ddp(tmp_path_factory, strategy):
     r0, r1 = lit(tmp_path_factory, strategy)
     assert r0["records"] == r1["records"]  # every step: the same findings, actions, skips, loss and norms
@@ -43,7 +46,8 @@ def test_lightning_fault_on_one_rank_same_actions_norms_of_one_process_weights_o
     assert set(first) == set(r0["ref"]) == {"net.layers.0", "net.layers.1", "net.layers.2"}
     for layer, ref in r0["ref"].items():
         assert first[layer] == pytest.approx(ref, rel=1e-6)
-    if strategy != "ddp":  # each rank restored its own shards (ddp_zero: its optimizer partition): DDP's weights
+    if strategy not in ("ddp", "model_parallel_tp"):  # (tp: both ranks on one batch, not DDP's data)
+        # each rank restored its own shards (ddp_zero: its optimizer partition): DDP's weights
         assert close(r0["params"], lit(tmp_path_factory, "ddp")[0]["params"])
 
 
