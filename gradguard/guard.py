@@ -25,12 +25,13 @@ from torch import nn
 
 from ._compat import (
     ddp_wrapper,
+    fsdp1_units,
     scaler_found_inf,
     scaler_scale,
     set_scaler_scale,
     sync_local_param_groups,
 )
-from ._shard import sharding
+from ._shard import local_pieces, sharding
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
 from .advice import ADVICE_ACTIONS, ADVICE_LOG_SIZE, advise
 from .config import RUNG_ACTIONS, GuardConfig
@@ -1100,7 +1101,17 @@ class Guard(GuardCore):
         if self.scaler is None:
             self._misuse.scaler_not_passed(self, report)
         if report.applied and own_clip is not None and self.replay_engine_clip(report) is None:
-            report.engine_norm = float(torch.nn.utils.clip_grad_norm_(own_clip.params, own_clip.max_norm))
+            if self.measurer.sharding is not None and fsdp1_units(self.model):
+                # FSDP1: clip_grad_norm_ would see this rank's shards only (each rank its own
+                # coefficient: the replicas drift apart); clip by the global norm just measured, as
+                # FSDP1's own model.clip_grad_norm_ does
+                report.engine_norm = total = report.total_norm
+                coef = own_clip.max_norm / (total + 1e-6)  # inf -> 0, nan -> nan, as clip_grad_norm_ scales
+                if not coef >= 1.0:
+                    torch._foreach_mul_(local_pieces([p.grad for p in self.layers.unique_params()
+                                                      if p.grad is not None]), coef)
+            else:
+                report.engine_norm = float(torch.nn.utils.clip_grad_norm_(own_clip.params, own_clip.max_norm))
         if report.applied:
             if self.scaler is not None:
                 self.scaler.step(opt)

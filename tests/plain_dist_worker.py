@@ -159,6 +159,9 @@ def main(out: str, strategy: str, scenario: str) -> None:
         over["measure"] = {"log_interval": 3}
     conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out}, policy={"ladder": ladder},
                                  recovery=recovery, detect={"warmup_steps": 3}, **over)
+    if scenario == "monitor_clip":  # a watching guard applying the user's fixed clip; no faults
+        conf = gg.GuardConfig.preset("monitor", output={"console": False, "dir": out},
+                                     clip={"mode": "fixed", "max_norm": 0.2})
     try:
         guard = gg.Guard(model, opt, config=conf)
     except gg.UnsupportedSetupError as exc:  # refused at attach, on every rank alike
@@ -170,13 +173,14 @@ def main(out: str, strategy: str, scenario: str) -> None:
     disk_files: list[str] = []
     for step in range(1, STEPS + 1):
         x, y = batch(step, data_rank)
-        if rank == 1 and step in (6, 7):
+        faults = scenario != "monitor_clip"
+        if faults and rank == 1 and step in (6, 7):
             y = torch.randint(0, 5, y.shape, generator=torch.Generator().manual_seed(step))  # garbage labels
             x = x * 300
         loss = nn.functional.cross_entropy(model(x), y)
-        if rank == 1 and step in (6, 7):
+        if faults and rank == 1 and step in (6, 7):
             loss = loss * 50  # the garbage window's loss spike, on rank 1 only
-        if rank == 1 and step == 4:
+        if faults and rank == 1 and step == 4:
             loss = loss * float("nan")  # a NaN in rank 1's batch only
         loss.backward()
         if scenario == "disk_damaged" and rank == 1 and step == 7:  # rank 1's newest snapshot file damaged
@@ -213,7 +217,8 @@ def main(out: str, strategy: str, scenario: str) -> None:
            "losses": [r.loss for r in reports], "totals": [r.total_norm for r in reports], "mult": guard.lr.global_mult, "layer_mult": dict(guard.lr.layer_mult), "max_norm": guard.clip.max_norm,
            "steps": guard.step_count, "weights": digest, "params": full_params(model),
            "betas": [list(g["betas"]) for g in opt.param_groups], "disk_files": disk_files,
-           "pid": os.getpid(), "fallbacks": fallbacks, "ratio_steps": ratio_steps, "log": guard.log_path}
+           "pid": os.getpid(), "fallbacks": fallbacks, "ratio_steps": ratio_steps,
+           "engine_norms": [r.engine_norm for r in reports], "log": guard.log_path}
     guard.close()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(res, fh)

@@ -107,6 +107,19 @@ def test_sharded_resume_restores_the_guard_on_every_rank(tmp_path_factory, strat
     assert close(r0["params"], plain["params"], 1e-6)
 
 
+def test_fsdp1_monitor_applies_the_users_fixed_clip_with_the_global_norm(tmp_path_factory):
+    """A watching guard with ``clip={"mode": "fixed"}`` applies the user's clip. Under FSDP1 torch's
+    ``clip_grad_norm_`` sees one rank's shards only (each rank its own coefficient); the guard clips
+    by the global norm it measured, as FSDP1's ``model.clip_grad_norm_`` does: DDP's weights (they
+    differed by 4e-3 before)."""
+    r0, r1 = run(tmp_path_factory, "fsdp1_one", "monitor_clip")
+    ddp = run(tmp_path_factory, "ddp", "monitor_clip")[0]
+    assert r0["actions"] == ddp["actions"] == [] and r0["weights"] == r1["weights"]
+    assert close(r0["params"], ddp["params"], 1e-6)
+    # the user's clip acted on every step (norm over 0.2), with the norm DDP's clip_grad_norm_ returns
+    assert all(n > 0.2 for n in r0["engine_norms"]) and close(r0["engine_norms"], ddp["engine_norms"], 1e-6)
+
+
 def test_fsdp1_flat_parameters_a_torch_without_the_known_layout_is_refused_at_attach(monkeypatch):
     """FSDP1 flat parameters are read through the private ``FlatParameter`` layout; when a torch
     lacks it (``gradguard._compat.fsdp1_flat_pieces`` answers None) the guard refuses at attach
