@@ -64,6 +64,16 @@ def wrap(model: nn.Module, strategy: str) -> nn.Module:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
+    if strategy == "fsdp1_hsdp":  # FSDP1 HYBRID_SHARD with flat parameters: 2 replicas x 2 shards
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        mesh = init_device_mesh("cpu", (2, torch.distributed.get_world_size() // 2),
+                                mesh_dim_names=("replicate", "shard"))
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_mesh=mesh,
+                    sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=torch.device("cpu"))
     if strategy == "fsdp_tp":  # 2-D, as torchtitan: tensor parallel inside pairs of ranks, FSDP2 across them
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

@@ -149,9 +149,11 @@ def test_a_snapshot_damaged_on_one_rank_all_ranks_roll_back_to_the_same_older_st
     assert r0["log"] and r1["log"] is None  # one event log per run, written by rank 0
 
 
-def test_hybrid_sharding_2x2_mesh_norms_of_one_process_same_actions_on_four_ranks(tmp_path_factory):
-    """HSDP (FSDP2 on a 2-D mesh: 2 replicas x 2 shards, 4 processes): a replicated shard counts once."""
-    ranks = run(tmp_path_factory, "hsdp", nproc=4)
+@pytest.mark.parametrize("strategy", ["hsdp", "fsdp1_hsdp"])
+def test_hybrid_sharding_2x2_mesh_norms_of_one_process_same_actions_on_four_ranks(tmp_path_factory, strategy):
+    """HSDP (2 replicas x 2 shards, 4 processes; FSDP2 on a 2-D mesh, or FSDP1 ``HYBRID_SHARD`` with
+    flat parameters): a replicated shard counts once."""
+    ranks = run(tmp_path_factory, strategy, nproc=4)
     for r in ranks[1:]:
         same_decisions(ranks[0], r)
     r0 = ranks[0]
