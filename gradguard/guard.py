@@ -31,7 +31,7 @@ from ._compat import (
     set_scaler_scale,
     sync_local_param_groups,
 )
-from ._shard import local_pieces, sharding
+from ._shard import sharding
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
 from .advice import ADVICE_ACTIONS, ADVICE_LOG_SIZE, advise
 from .config import RUNG_ACTIONS, GuardConfig
@@ -998,6 +998,8 @@ class Guard(GuardCore):
         self.batches = batches
         self.halted: dict[str, Any] | None = None
         self._clip_params: list[nn.Parameter] | None = None  # monitor with a fixed clip: see _users_clip
+        # ... under sharded FSDP1, clipped by the measured global norm (see step)
+        self._fsdp1 = self.measurer.sharding is not None and bool(fsdp1_units(self.model))
         self.oom = OomRecovery(self, lambda: list(self.model.parameters()), self._shrink_micro_to, monitor_too=True)
         if batches is not None:
             self.attach_data_skip(self._skip_data)
@@ -1101,15 +1103,13 @@ class Guard(GuardCore):
         if self.scaler is None:
             self._misuse.scaler_not_passed(self, report)
         if report.applied and own_clip is not None and self.replay_engine_clip(report) is None:
-            if self.measurer.sharding is not None and fsdp1_units(self.model):
+            if self._fsdp1:
                 # FSDP1: clip_grad_norm_ would see this rank's shards only (each rank its own
-                # coefficient: the replicas drift apart); clip by the global norm just measured, as
-                # FSDP1's own model.clip_grad_norm_ does
-                report.engine_norm = total = report.total_norm
-                coef = own_clip.max_norm / (total + 1e-6)  # inf -> 0, nan -> nan, as clip_grad_norm_ scales
-                if not coef >= 1.0:
-                    torch._foreach_mul_(local_pieces([p.grad for p in self.layers.unique_params()
-                                                      if p.grad is not None]), coef)
+                # coefficient: the replicas drift apart); torch's clip with the global norm just
+                # measured, as FSDP1's own model.clip_grad_norm_ does
+                report.engine_norm = report.total_norm
+                torch.nn.utils.clip_grads_with_norm_(self.layers.unique_params(), own_clip.max_norm,
+                                                     torch.tensor(report.total_norm))
             else:
                 report.engine_norm = float(torch.nn.utils.clip_grad_norm_(own_clip.params, own_clip.max_norm))
         if report.applied:

@@ -94,7 +94,9 @@ class LayerMap:
         inside an FSDP1 flat parameter's local shard (``use_orig_params=False``): such a flat
         parameter has one entry per original parameter this process holds a piece of, each measured,
         tuned and normed on its own slice, so layers keep the unsharded model's names."""
-        self._sliced = False
+        self.sliced = False
+        """Whether some entry is a slice of an FSDP1 flat parameter."""
+        self._unique: list[nn.Parameter] | None = None  # unique_params(), rebuilt when entries join
         self.flat_norm: dict[int, bool] = {}
         """Layers of FSDP1 flat parameters: whether each is made only of normalization parameters,
         from every original parameter (also those another process holds)."""
@@ -126,6 +128,8 @@ class LayerMap:
             self.layer_index.append(li)
             self.views.append(None)
             added.append(pname)
+        if added:
+            self._unique = None
         return added
 
     def _add_flat(self, root: nn.Module) -> None:
@@ -149,21 +153,17 @@ class LayerMap:
             self.param_names.append(piece.name)
             self.layer_index.append(li)
             self.views.append((piece.offset, piece.numel))
-            self._sliced = True
+            self.sliced = True
         self._ids.update(id(piece.flat) for piece in pieces)
-
-    @property
-    def sliced(self) -> bool:
-        """Whether some entry is a slice of an FSDP1 flat parameter (read once per step: kept)."""
-        return self._sliced
 
     def unique_params(self) -> list[nn.Parameter]:
         """The watched parameters, each once (an FSDP1 flat parameter has one entry per original
-        parameter)."""
+        parameter); kept until parameters join the map (do not modify the list)."""
         if not self.sliced:
-            return list(self.params)
-        seen: set[int] = set()
-        return [p for p in self.params if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
+            return self.params
+        if self._unique is None:
+            self._unique = list({id(p): p for p in self.params}.values())
+        return self._unique
 
     def tensors(self, indices: Iterable[int] | None = None) -> list[torch.Tensor]:
         """The entries' values (detached; a flat parameter's slice as a view of its local shard)."""
@@ -581,9 +581,9 @@ class GradMeasurer:
     def update_ratios(self, before: list[torch.Tensor]) -> tuple[list[float], list[float]]:
         """Per-layer ||update|| / ||weight|| given copies of the parameters taken before the step."""
         now = self.layers.tensors()
-        kinds = {type(t) for t in now}
-        # one fused kernel per type: tensor parallelism mixes DTensor and plain parameters
-        deltas = torch._foreach_sub(now, before) if len(kinds) == 1 else [a - b for a, b in zip(now, before)]
+        # one fused kernel; tensor by tensor when DTensor and plain parameters mix (tensor parallelism)
+        mixed = len({type(t) for t in now}) > 1
+        deltas = [a - b for a, b in zip(now, before)] if mixed else torch._foreach_sub(now, before)
         upd = self._layer_norms_of(deltas)
         wn = self._layer_norms_of(now)
         return [u / w if w > 0 else 0.0 for u, w in zip(upd, wn)], wn
