@@ -31,6 +31,8 @@ __all__ = [
     "pl_log_step", "pl_should_update_logs",
     "swap_class", "check_features", "versions", "dtensor_type", "fsdp1_units", "fsdp1_uses_orig_params",
     "fsdp1_shard_size", "fsdp1_full_shapes", "fsdp1_flat_pieces", "FlatPiece", "is_flat_param", "local_optimizer", "sync_local_param_groups", "placement_shards", "ddp_wrapper", "ddp_broadcast_buffers_at_next_forward",
+    "is_deepspeed_engine", "ds_stage", "ds_zero_optimizer", "ds_global_norm", "ds_overflow", "ds_loss_scale",
+    "ds_scaler_state", "ds_load_scaler_state", "ds_master_partitions", "ds_clip", "ds_set_clip",
 ]
 
 _MISSING = object()
@@ -540,3 +542,85 @@ def fsdp1_full_shapes(model: Any) -> dict[int, tuple[int, ...]]:
         if params and shapes and len(params) == len(shapes):
             out.update({id(p): tuple(int(d) for d in s) for p, s in zip(params, shapes)})
     return out
+
+
+# -- DeepSpeed (its engine steps the optimizer; gradguard reads its signals, see gradguard.deepspeed) ---
+def is_deepspeed_engine(obj: Any) -> bool:
+    """A ``deepspeed.DeepSpeedEngine`` (or a subclass), detected without importing deepspeed."""
+    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed")
+               for c in type(obj).__mro__)
+
+
+def ds_stage(engine: Any) -> int:
+    """The engine's ZeRO stage (0: no ZeRO)."""
+    return int(engine.zero_optimization_stage())
+
+
+def ds_zero_optimizer(engine: Any) -> Any | None:
+    """The engine's ZeRO stage 1/2 optimizer when it has the pieces gradguard reads (the fp32
+    master partitions and the ``clip_grad`` it clips with), else None."""
+    opt = getattr(engine, "optimizer", None)
+    if opt is None or not isinstance(getattr(opt, "single_partition_of_fp32_groups", None), list):
+        return None
+    if not isinstance(getattr(opt, "clip_grad", None), (int, float)):
+        return None
+    if not isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
+        return None
+    return opt
+
+
+def ds_global_norm(engine: Any) -> float | None:
+    """The global gradient norm of the engine's last step, before clipping and unscaled (inf after
+    an overflow); None when the engine did not compute one."""
+    value = engine.get_global_grad_norm()
+    if value is None:
+        return None
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def ds_overflow(engine: Any) -> bool:
+    """Whether the engine skipped its last step on an overflow (non-finite gradients)."""
+    return bool(getattr(engine.optimizer, "overflow", False))
+
+
+def ds_loss_scale(engine: Any) -> float | None:
+    """The fp16 loss scale of the engine (None without fp16)."""
+    if not engine.fp16_enabled():
+        return None
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    scale = getattr(scaler, "cur_scale", None)
+    return None if scale is None else float(scale)
+
+
+_DS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def ds_scaler_state(engine: Any) -> dict[str, float]:
+    """The fp16 loss scaler's counters (for snapshots); empty without fp16."""
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is None or not engine.fp16_enabled():
+        return {}
+    return {k: getattr(scaler, k) for k in _DS_SCALER_FIELDS if hasattr(scaler, k)}
+
+
+def ds_load_scaler_state(engine: Any, state: dict[str, float]) -> None:
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    for k, v in state.items():
+        if scaler is not None and k in _DS_SCALER_FIELDS:
+            setattr(scaler, k, v)
+
+
+def ds_master_partitions(engine: Any) -> list[torch.Tensor]:
+    """This process's fp32 master partitions (ZeRO 1/2): what the optimizer updates, copied into
+    the module's parameters after each step."""
+    return list(engine.optimizer.single_partition_of_fp32_groups)
+
+
+def ds_clip(engine: Any) -> float:
+    """The max norm the engine clips to (0: no clipping)."""
+    return float(engine.optimizer.clip_grad)
+
+
+def ds_set_clip(engine: Any, max_norm: float | None) -> None:
+    """Set the max norm the engine clips to from its next step (None: no clipping)."""
+    engine.optimizer.clip_grad = 0.0 if max_norm is None else float(max_norm)

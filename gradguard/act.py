@@ -275,6 +275,30 @@ class LRMultiplier:
                 p.lerp_(c, w)  # p_new + (1-m)(p_old - p_new) = p_old + m * update
             self._saved_params = None
 
+    def engine_begin(self) -> None:
+        """Before the optimizer step of an engine that steps it itself (without the hooks): the
+        multiplier goes on every group's ``lr`` (layer multipliers do not apply: such an engine's
+        optimizer updates flat copies of the parameters)."""
+        self._saved_lrs = None
+        mult = self.current()
+        if mult != 1.0:
+            self._saved_lrs = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] = g["lr"] * mult
+        self._active = True
+
+    def engine_end(self) -> None:
+        """After that step: the scheduler's values back, one step of a re-warm-up ramp counted."""
+        if not self._active:
+            return
+        self._active = False
+        if self.warm_left > 0:
+            self.warm_left -= 1
+        if self._saved_lrs is not None:
+            for g, lr in zip(self.optimizer.param_groups, self._saved_lrs):
+                g["lr"] = lr
+            self._saved_lrs = None
+
     def suspend(self) -> None:
         """Undo the pre-hook of a step already in progress (engines that decide inside
         ``optimizer.step()``, e.g. Lightning's closure): the scheduler's LRs are back in place."""

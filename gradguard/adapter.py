@@ -1,7 +1,7 @@
 """What every engine adapter does the same way, implemented once.
 
 * :func:`refuse_unsupported`: the setups an engine does not guard (:data:`ENGINE_REFUSALS`: DeepSpeed
-  everywhere, FSDP under the HF callback, FSDP1 flat parameters a torch's layout hides; optimizers that update
+  but ZeRO 1/2 in a plain loop and the HF Trainer, FSDP under the HF callback, FSDP1 flat parameters a torch's layout hides; optimizers that update
   inside backward): :class:`UnsupportedSetupError` at attach when the policy acts; in monitor mode a
   warning, and the guard stands aside (it must never be what stops a run the engine accepts).
 * :func:`stand_aside`: a run with nothing to watch (Lightning's mock optimizer when
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._compat import shadow_method, unshadow_method
+from ._compat import is_deepspeed_engine, shadow_method, unshadow_method
 from .config import ClipConfig, GuardConfig
 from .errors import ConfigError, GradGuardHalt, StateError, UnsupportedSetupError, warn
 
@@ -101,10 +101,14 @@ def restore_guard_state(core: Any, config: GuardConfig, guard: dict[str, Any] | 
 #: the HF callback guards DDP (its FSDP: ``"fsdp"``). FSDP1 flat parameters whose private layout this
 #: torch does not expose are refused everywhere (:func:`sharding_problems`).
 ENGINE_REFUSALS: dict[str, tuple[str, str]] = {
-    "deepspeed": ("DeepSpeed steps the optimizer, scales the loss and clips inside its engine, so gradguard can "
-                  "neither measure the pre-clip gradients nor skip a step safely",
-                  "train with DDP, or shard with FSDP2 (torch.distributed.fsdp.fully_shard) in a plain loop "
-                  "guarded by gradguard.Guard or under Lightning's ModelParallelStrategy; or remove gradguard"),
+    "deepspeed": ("this DeepSpeed setup is not guarded: DeepSpeed steps the optimizer, scales the loss and clips inside "
+                  "its engine, and gradguard reads that engine's signals (global norm, loss scale, overflow) only where "
+                  "it is tested: ZeRO 1/2 from deepspeed.initialize in a plain loop and under the HF Trainer. "
+                  "Lightning's DeepSpeedStrategy runs only on CUDA GPUs, where it has not been tested",
+                  "pass the engine to gradguard.Guard(engine) in a plain loop, or use the HF Trainer with "
+                  "TrainingArguments(deepspeed=...) and ZeRO stage 1 or 2; or shard with FSDP2 "
+                  "(Lightning's ModelParallelStrategy, or torch.distributed.fsdp.fully_shard in a plain loop); "
+                  "or remove gradguard"),
     "fsdp": ("the HF Trainer's FSDP (through accelerate) is not guarded: accelerate shards only on an accelerator "
              "(on the CPU it refuses FSDP1 and trains FSDP2 settings as plain DDP), so gradguard's handling of its "
              "wrapping, clipping and sharded checkpoints has not been tested",
@@ -125,8 +129,10 @@ def sharding_problems(model: Any) -> dict[str, str]:
     :func:`refuse_unsupported` takes them; every adapter adds these to its own."""
     from ._shard import unsupported_sharding
 
-    if type(model).__name__ == "DeepSpeedEngine":
-        return engine_refusal("deepspeed", f"model={type(model).__name__}")
+    if is_deepspeed_engine(model):
+        from .deepspeed import problems
+
+        return problems(model)
     return unsupported_sharding(model)
 
 

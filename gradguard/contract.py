@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 __all__ = ["Event", "LoaderHandle", "DataSkip", "CheckpointEntry", "CheckpointSource", "Collective", "TorchCollective",
-           "LocalCollective", "collective"]
+           "LocalCollective", "collective", "SteppingEngine", "EngineSignals"]
 
 
 class Event(enum.Enum):
@@ -54,6 +54,16 @@ class Event(enum.Enum):
                                    # after a halt: GradGuardHalt raised (unless output.halt_raises
                                    # is False)
 
+        An engine that runs the optimizer step itself (DeepSpeed: unscaling, clipping and the
+        step happen inside its ``backward``/``step``; a :class:`SteppingEngine`) replaces the two
+        step events by:
+
+                ENGINE_STEP_START      # core.engine_step_begin(): first snapshot, LR multiplier on
+                engine.step()          # the engine clips (to the guard's threshold) and steps
+                ENGINE_STEP_END        # core.engine_step_end(): the engine's norm, loss scale and
+                                       # overflow flag, one reduction, detect, decide; a skip the
+                                       # engine did not make itself becomes a rollback
+
         HALT                       # stop requested, diagnosis.json written, engine saves
         ROLLBACK                   # in-memory ring first, then CheckpointSource via the tier
         RESUME                     # engine checkpoint loaded: core.load_state_dict
@@ -66,6 +76,8 @@ class Event(enum.Enum):
     OOM_RETRY = "oom_retry"
     BEFORE_OPTIMIZER_STEP = "before_optimizer_step"
     AFTER_OPTIMIZER_STEP = "after_optimizer_step"
+    ENGINE_STEP_START = "engine_step_start"
+    ENGINE_STEP_END = "engine_step_end"
     EPOCH_END = "epoch_end"
     CHECKPOINT_SAVED = "checkpoint_saved"
     FIT_END = "fit_end"
@@ -142,6 +154,44 @@ class CheckpointSource(Protocol):
 
     def restore(self, payload: dict[str, Any]) -> None:
         """Put a read checkpoint back into training (usually :func:`gradguard.recovery.restore_training_state`)."""
+        ...
+
+
+class EngineSignals(Protocol):
+    """What a :class:`SteppingEngine` measured in its last optimizer step."""
+
+    total_norm: float | None
+    """The global gradient norm before clipping, unscaled (inf on an overflow); None: not computed."""
+    scale: float | None
+    """The fp16 loss scale the step ran with (None without fp16)."""
+    overflow: bool
+    """The engine skipped the step itself (non-finite gradients)."""
+
+
+@runtime_checkable
+class SteppingEngine(Protocol):
+    """An engine that runs the optimizer step itself, with its own loss scaling and clipping
+    (DeepSpeed ZeRO: see :mod:`gradguard.deepspeed`). The core reads the step's signals from it
+    afterwards, sets the clip it applies, and never skips a step (a skip becomes a rollback)."""
+
+    name: str
+    unavailable: dict[str, str]
+    """``{action: why}``: the policy actions this engine cannot carry out (reported at attach)."""
+
+    def signals(self) -> EngineSignals:
+        ...
+
+    def clip(self) -> float | None:
+        """The max norm the engine clips to now (None: no clipping)."""
+        ...
+
+    def set_clip(self, max_norm: float | None) -> None:
+        """Clip to ``max_norm`` from the next step on (None: no clipping)."""
+        ...
+
+    def snapshot_state(self) -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
+        """``{name: (get, set)}``: state beyond the module and the torch optimizer that a rollback
+        must restore (fp32 master weights, the loss scaler)."""
         ...
 
 

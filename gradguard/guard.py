@@ -26,6 +26,7 @@ from torch import nn
 from ._compat import (
     ddp_wrapper,
     fsdp1_units,
+    is_deepspeed_engine,
     scaler_found_inf,
     scaler_scale,
     set_scaler_scale,
@@ -35,7 +36,7 @@ from ._shard import sharding
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
 from .advice import ADVICE_ACTIONS, ADVICE_LOG_SIZE, advise
 from .config import RUNG_ACTIONS, GuardConfig
-from .contract import CheckpointSource, Collective
+from .contract import CheckpointSource, Collective, SteppingEngine
 from .contract import collective as default_collective
 from .detect import NORM_TAKEOVER, Detectors, Finding, Signals
 from .errors import ConfigError, GradGuardHalt, UnsupportedSetupError, is_rank0, warn
@@ -128,7 +129,8 @@ class GuardCore:
                  sinks: list[Sink] | None = None, out_dir: str | None = None,
                  layer_fn: Callable[[str], str] | None = None, scheduler: Any = None,
                  scaler: Any = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 collective: Collective | None = None, shard_root: nn.Module | None = None) -> None:
+                 collective: Collective | None = None, shard_root: nn.Module | None = None,
+                 stepping: SteppingEngine | None = None) -> None:
         config = GuardConfig.coerce(config)
         if not isinstance(model, nn.Module):
             raise UnsupportedSetupError(f"gradguard: model={type(model).__name__} is not a torch.nn.Module. "
@@ -140,9 +142,15 @@ class GuardCore:
         self.reduce = reduce if reduce is not None else (
             self.collective.mean if self.collective.world_size > 1 else None)
         self.optimizer = unwrap_optimizer(optimizer)
-        self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern, optimizer=self.optimizer,
-                               root=shard_root)
-        self._check_optimizer_covers_model()
+        #: an engine that steps the optimizer itself (DeepSpeed): the core reads its signals after
+        #: each step (engine_step_begin/engine_step_end) instead of measuring the gradients
+        self.stepping = stepping
+        # a stepping engine's optimizer holds its own flat copies of the parameters (ZeRO's fp32
+        # partitions): the layer map names the module's parameters without following it
+        self.layers = LayerMap(model, layer_fn or config.measure.layer_pattern,
+                               optimizer=self.optimizer if stepping is None else None, root=shard_root)
+        if stepping is None:
+            self._check_optimizer_covers_model()
         self.measurer = GradMeasurer(self.layers)
         # FSDP: local pieces measured, summed by the step's one reduction (gradguard._shard)
         # shard_root: the engine's wrapper around ``model`` (Lightning's FSDP1 root unit), where the
@@ -155,7 +163,9 @@ class GuardCore:
         self._layers_version = self.layers.version
         self.policy = Policy(config.policy)
         self.clip = ClipController(config.clip)
-        self.lr = LRMultiplier(config.lr, self.optimizer, self.layers, hooks=config.policy.act)
+        # a stepping engine may call the optimizer once per param group: the multiplier goes on
+        # around the engine's whole step instead (engine_step_begin / engine_step_end)
+        self.lr = LRMultiplier(config.lr, self.optimizer, self.layers, hooks=config.policy.act and stepping is None)
         self.adam = AdamTuner(config.adam, self.optimizer)
         self.actuators: dict[str, Callable[[Action], dict[str, Any]]] = {}
         self.healthy_hooks: list[Callable[[int], Action | None]] = []
@@ -176,6 +186,8 @@ class GuardCore:
                                           disk_dir=rc.disk_dir)
             self.snapshots.register("gradguard_detectors", self.detectors.state_dict,
                                     self.detectors.load_state_dict)
+            for name, (get, put) in (stepping.snapshot_state() if stepping is not None else {}).items():
+                self.snapshots.register(name, get, put)
             self.register_actuator("rollback", self._rollback)
         self.step_count = 0
         self.applied_steps = 0
@@ -265,7 +277,6 @@ class GuardCore:
         ``optimizer.step()`` anyway). With ``engine_clip`` (a guard that does not clip, in an engine
         that does) the same pass also yields the engine's own total norm, and
         :meth:`replay_engine_clip` then applies the engine's clip without a second pass."""
-        cfg = self.config
         step = self.step_count + 1
         if self.snapshots is not None and not (self.snapshots.ring or self.snapshots.candidates):
             self.take_snapshot(self.step_count)  # the initial (or resumed) weights, before any update
@@ -282,20 +293,44 @@ class GuardCore:
         sig = Signals(step=step, loss=None if loss_v is None else loss_f, total_norm=meas.total_norm,
                       layer_norms=layer_norms, nonfinite_layers=meas.nonfinite_layers, scale=scale,
                       overflow=overflow)
-        grad_ratio = self.detectors.grad.ratio(meas.total_norm)
+        return self._conclude(sig, grads, drop_on_skip=drop_on_skip, engine_norm=meas.engine_norm,
+                              engine_coef=meas.engine_coef)
+
+    def _conclude(self, sig: Signals, grads: list[torch.Tensor], *, drop_on_skip: bool = False,
+                  engine_norm: float | None = None, engine_coef: Any = None,
+                  engine_skipped: bool | None = None) -> StepReport:
+        """Detect, decide and act on one step's signals (shared by :meth:`before_step` and
+        :meth:`engine_step_end`). ``engine_skipped``: None before the optimizer step (the core
+        clips ``grads`` and may skip); True/False after a :class:`SteppingEngine` stepped (it
+        skipped on its own overflow, or applied the update: a skip then becomes a rollback)."""
+        cfg = self.config
+        step = sig.step
+        stepped = engine_skipped is not None
+        grad_ratio = self.detectors.grad.ratio(sig.total_norm)
         findings = self.detectors.observe(sig)
         decision = self.policy.decide(sig, findings, grad_ratio, weights_verified=self._verified)
+        if stepped and decision.skip and not engine_skipped and cfg.policy.act:
+            # the engine already applied this step: undoing it means going back to a snapshot
+            if not any(a.name == "rollback" for a in decision.actions):
+                decision.actions.insert(0, Action("rollback", step, f"{decision.skip_reason}: the engine "
+                                                  "(" + self.stepping.name + ") already applied the step",  # type: ignore[union-attr]
+                                                  {"replaces": "skip"}))
         report = StepReport(step=step, applied=not decision.skip, skip_reason=decision.skip_reason,
-                            loss=sig.loss, total_norm=meas.total_norm, layer_norms=layer_norms,
-                            scale=scale, overflow=overflow, findings=findings,
-                            blamed_on_data=decision.data_verdict, engine_norm=meas.engine_norm,
-                            engine_coef=meas.engine_coef)
+                            loss=sig.loss, total_norm=sig.total_norm, layer_norms=sig.layer_norms,
+                            scale=sig.scale, overflow=sig.overflow, findings=findings,
+                            blamed_on_data=decision.data_verdict, engine_norm=engine_norm,
+                            engine_coef=engine_coef)
+        if stepped:
+            report.applied = not engine_skipped and not decision.skip
         if cfg.policy.act:
-            clip_to = self.clip.threshold(meas.total_norm)
+            clip_to = self.clip.threshold(sig.total_norm)
             report.clip_to = clip_to
-            if not decision.skip:  # the gradients just measured (nothing ran in between)
-                report.clipped = self.clip.apply(grads, meas.total_norm, clip_to)
-            self.clip.observe(meas.total_norm, clip_to)
+            if stepped:
+                before = self.stepping.clip()  # type: ignore[union-attr]
+                report.clipped = bool(not engine_skipped and before and sig.total_norm > before)
+            elif not decision.skip:  # the gradients just measured (nothing ran in between)
+                report.clipped = self.clip.apply(grads, sig.total_norm, clip_to)
+            self.clip.observe(sig.total_norm, clip_to)
         self._cause_ids = []
         for f in findings:
             self.n_findings += 1
@@ -337,6 +372,8 @@ class GuardCore:
                 report.skip_reason = report.skip_reason or (
                     "rolled back" if "to_step" in a.params else "instability (no snapshot to roll back to)")
                 decision.skip = True
+                if stepped and "to_step" not in a.params:
+                    report.applied = not engine_skipped  # nothing to go back to: the update stays
                 if "to_step" in a.params:
                     self.policy.last_escalation = None  # restored weights: no cooldown
                     self._verified = True
@@ -373,11 +410,46 @@ class GuardCore:
         report.lr_multiplier = self.lr.current()
         # the scheduler's LRs this optimizer step runs with (engines log after the scheduler moved on)
         self._step_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        if report.applied and (step % cfg.measure.log_interval == 0
+        if stepped:
+            if cfg.policy.act and cfg.clip.mode != "off":  # the engine clips the next step to the guard's threshold
+                self.stepping.set_clip(self.clip.threshold(sig.total_norm))  # type: ignore[union-attr]
+        elif report.applied and (step % cfg.measure.log_interval == 0
                                or (self.ratio_due is not None and self.ratio_due(step))):
             self._before_params = [t.clone() for t in self.layers.tensors()]
         self._last = report
         return report
+
+    # -- engines that step the optimizer themselves (contract.SteppingEngine) -------------
+    def engine_step_begin(self) -> None:
+        """ENGINE_STEP_START: before a :class:`SteppingEngine` runs its optimizer step (before
+        the boundary micro-batch's backward where the engine steps inside it): the first snapshot
+        (the weights before any update) and the LR multiplier put on the optimizer's groups."""
+        if self.snapshots is not None and not (self.snapshots.ring or self.snapshots.candidates):
+            self.take_snapshot(self.step_count)
+        if self.config.policy.act:
+            self.lr.engine_begin()
+
+    def engine_step_end(self, loss: torch.Tensor | float | None = None) -> StepReport:
+        """ENGINE_STEP_END: after a :class:`SteppingEngine` stepped. Reads its global norm, loss
+        scale and overflow flag, combines them and the loss over processes (one reduction), detects
+        and decides like :meth:`before_step`; the engine's next step clips to the guard's
+        threshold. A skip the engine did not make itself becomes a rollback to the last healthy
+        snapshot. Then call :meth:`after_step` as usual."""
+        assert self.stepping is not None, "engine_step_end needs a stepping engine (GuardCore(stepping=...))"
+        self.lr.engine_end()
+        step = self.step_count + 1
+        loss_v = self._take_loss(loss)
+        got = self.stepping.signals()
+        norm = got.total_norm if got.total_norm is not None else float("nan")
+        values = [float("nan") if loss_v is None else loss_v, norm, got.scale or 0.0, 1.0 if got.overflow else 0.0]
+        packed = torch.stack([v.detach().float().reshape(()).cpu() if isinstance(v, torch.Tensor)
+                              else torch.tensor(float(v)) for v in values])
+        if self.reduce is not None:
+            packed = self.reduce(packed)
+        loss_f, norm_f, scale_f, overflow_f = packed.tolist()  # the step's one host read
+        sig = Signals(step=step, loss=None if loss_v is None else loss_f, total_norm=norm_f, layer_norms={},
+                      nonfinite_layers=[], scale=None if got.scale is None else scale_f, overflow=overflow_f > 0)
+        return self._conclude(sig, [], engine_skipped=overflow_f > 0)
 
     def replay_engine_clip(self, report: StepReport) -> torch.Tensor | None:
         """Apply the engine's own clip measured by ``before_step(engine_clip=...)``, bit-identical to
@@ -760,7 +832,10 @@ class GuardCore:
         return self._record(action)
 
     def _execute(self, a: Action) -> None:
-        if a.name == "lower_lr":
+        why_not = self.stepping.unavailable.get(a.name) if self.stepping is not None else None
+        if why_not:
+            a.params["unavailable"] = why_not
+        elif a.name == "lower_lr":
             # not rewound by a rollback
             early = self.applied_steps < self.config.detect.warmup_steps or self._takeover_from_start
             factor = self.config.lr.early_down_factor if early else self.config.lr.down_factor
@@ -974,6 +1049,13 @@ class Guard(GuardCore):
       ``GradGuardHalt`` is raised (``output.halt_raises=False``: ``report.halt`` is True and
       ``guard.halted`` holds the diagnosis; stop the loop yourself).
     """
+
+    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> Guard:
+        if cls is Guard and is_deepspeed_engine(model):  # gradguard.Guard(engine): see gradguard.deepspeed
+            from .deepspeed import DeepSpeedGuard
+
+            return super().__new__(DeepSpeedGuard)
+        return super().__new__(cls)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
                  scaler: Any = None, config: GuardConfig | None = None, sinks: list[Sink] | None = None,

@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._compat import find_caller, hf_callback_being_restored
+from ._compat import find_caller, hf_callback_being_restored, is_deepspeed_engine
 from ._hf import state as hf_state
 from ._hf.checkpoints import STATE_FILE
+from ._hf.deepspeed import DeepSpeedRun
 from ._hf.live import add_to_logs, bind_integrations, is_logging_step, move_ahead_of_reporters
 from ._hf.loader import TrainerLoader
 from ._hf.norm import StepDecision
@@ -107,6 +108,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self._batches: TrainerLoader | None = None
         self._callbacks: list[Any] = []  # the Trainer's callback list (its report_to integrations)
         self._live_bound = False
+        self._ds: DeepSpeedRun | None = None  # DeepSpeed ZeRO 1/2: the engine steps itself (gradguard._hf.deepspeed)
 
     # -- compatibility with earlier attribute names ----------------------------------------------
     @property
@@ -146,18 +148,25 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if not self._validate(args, optimizer):
             return  # monitor mode on an unsupported setup: stand aside
         cfg, replay_clip = effective_config(self.config, args)
-        self._user_max_grad_norm = args.max_grad_norm
         out_dir = event_log_dir(cfg, self.out_dir, self, args)
         self._args = args
+        from transformers import Trainer
+
+        trainer = find_caller(Trainer, start=2)
+        engine = getattr(trainer, "model_wrapped", None)
+        if getattr(trainer, "is_deepspeed_enabled", False) is True and is_deepspeed_engine(engine):
+            self._ds = DeepSpeedRun(cfg, engine, lr_scheduler, list(self.user_sinks), out_dir)
+            self.core = self._ds.core
+            self._control, self._tstate = control, state
+            self._callbacks = list(getattr(getattr(trainer, "callback_handler", None), "callbacks", None) or [])
+            return
+        self._user_max_grad_norm = args.max_grad_norm
         core, runner, decision, self._batches = build(cfg, replay_clip, args, model, optimizer, lr_scheduler,
                                                       train_dataloader, list(self.user_sinks), out_dir)
         self.core, self.runner, self.decision = core, runner, decision
         if state.global_step > 0:
             self._restore(args, state)  # before anything of the Trainer's is changed: a StateError leaves it as it was
         self._control, self._tstate = control, state
-        from transformers import Trainer
-
-        trainer = find_caller(Trainer, start=2)
         runner.trainer = trainer
         self._callbacks = list(getattr(getattr(trainer, "callback_handler", None), "callbacks", None) or [])
         core.ratio_due = lambda step: self.layer_metrics and is_logging_step(args, state, step)
@@ -179,9 +188,12 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             raise
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.core is None or self.decision is None:
+        if self._ds is not None:
+            report: StepReport | None = self._ds.pre_optimizer_step()  # DeepSpeed has stepped already
+        elif self.core is None or self.decision is None:
             return
-        report = self.decision.decide()
+        else:
+            report = self.decision.decide()
         if report is not None and report.halt:
             self._halt.trip(report.diagnosis)
             self.diagnosis = self._halt.diagnosis
@@ -189,6 +201,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             control.should_save = True
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._ds is not None:
+            self._ds.step_begin()
         if self.decision is not None:
             self.decision.decided = False  # a step interrupted earlier (an exception) never leaves its decision behind
         if self.runner is not None:
@@ -197,14 +211,18 @@ class GradGuardCallback(TrainerCallback, ExportableState):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         core, decision = self.core, self.decision
-        if core is None or self.runner is None or decision is None:
+        if core is None or ((self.runner is None or decision is None) and self._ds is None):
             return
         self._control = control
         if not self._live_bound and getattr(state, "is_world_process_zero", True):
             self._live_bound = True  # the integrations set themselves up in their on_train_begin
             core.add_live_sinks(bind_integrations(self._callbacks, core.sinks))
         # DefaultFlowCallback (ahead of this callback) has decided whether this step is logged
-        report = decision.finish(engine_logs=bool(control.should_log))
+        if self._ds is not None:
+            report = self._ds.step_end(engine_logs=bool(control.should_log))
+        else:
+            assert decision is not None
+            report = decision.finish(engine_logs=bool(control.should_log))
         if report is not None:
             self.reports.append(report)
             if len(self.reports) > 1000:
@@ -214,16 +232,19 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if self._halt.halted:
             control.should_training_stop = True
             control.should_save = True
-        if control.should_save:
+        if control.should_save and self._ds is None:
             args.max_grad_norm = hf_state.clip_on_save(self.max_grad_norm)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.core is not None and control.should_save:
+        if self.core is not None and control.should_save and self._ds is None:
             args.max_grad_norm = hf_state.clip_on_save(self.max_grad_norm)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.core is not None:
+            clip = args.max_grad_norm
             hf_state.saved(self.core, args, state.global_step, self._export, self.diagnosis)
+            if self._ds is not None:
+                args.max_grad_norm = clip  # DeepSpeed's clip is the engine's (the guard sets it there)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if self.core is None or logs is None or self.core.last_report is None:
@@ -250,12 +271,16 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if self.core is not None:
+        if self._ds is not None:
+            self.summary = self._ds.close()
+        elif self.core is not None:
             self.summary = self.core.detach()
 
     # -- state -----------------------------------------------------------------------------
     def _export(self, saving: int | None = None) -> dict[str, Any]:
         out_dir = self._args.output_dir if self._args is not None else None
+        if self._ds is not None:
+            return self._ds.state()
         return hf_state.export_state(self.core, self.runner, self._batches, out_dir, saving)
 
     def state(self) -> dict[str, Any]:

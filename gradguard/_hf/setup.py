@@ -9,7 +9,7 @@ import math
 import os
 from typing import Any
 
-from .._compat import check_features, hf_callback_list
+from .._compat import check_features, hf_callback_list, is_deepspeed_engine
 from ..act import unwrap_optimizer
 from ..adapter import SchedulerHold, check_ladder, engine_refusal, refuse_unsupported, resolve_clip
 from ..config import GuardConfig
@@ -88,13 +88,18 @@ def unsupported(args: Any, optimizer: Any, trainer: Any = None) -> dict[str, str
     ``trainer``: also FSDP and DeepSpeed enabled outside ``TrainingArguments`` (``accelerate launch``
     with an FSDP or DeepSpeed config: the Trainer's ``is_fsdp_enabled`` / ``is_deepspeed_enabled``)."""
     out: dict[str, str] = {}
-    if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None) is not None:
+    engine = getattr(trainer, "model_wrapped", None)
+    if getattr(trainer, "is_deepspeed_enabled", False) is True and is_deepspeed_engine(engine):
+        from ..deepspeed import problems as deepspeed_problems
+
+        out.update(deepspeed_problems(engine))  # ZeRO 1/2 guarded through the engine's signals
+    elif getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None) is not None:
         ds = args.deepspeed
-        clip = ds.get("gradient_clipping") if isinstance(ds, dict) else None
         out.update(engine_refusal("deepspeed", f"TrainingArguments.deepspeed={ds!r}",
-                                  f" (gradient_clipping={clip!r})"))
+                                  " (the DeepSpeed engine was not found on the Trainer)"))
     elif getattr(trainer, "is_deepspeed_enabled", False) is True:
-        out.update(engine_refusal("deepspeed", "Trainer.is_deepspeed_enabled=True (accelerate's DeepSpeed plugin)"))
+        out.update(engine_refusal("deepspeed", "Trainer.is_deepspeed_enabled=True (accelerate's DeepSpeed plugin)",
+                                  " (the DeepSpeed engine was not found on the Trainer)"))
     if getattr(args, "fsdp", None) and args.fsdp not in ("", [], None):
         out.update(engine_refusal("fsdp", f"TrainingArguments.fsdp={args.fsdp!r}"))
     elif getattr(trainer, "is_fsdp_enabled", False) is True:

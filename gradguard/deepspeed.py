@@ -1,0 +1,227 @@
+"""gradguard for DeepSpeed ZeRO stages 1 and 2 (``deepspeed.initialize``), in a plain loop and under
+the HF Trainer (``TrainingArguments(deepspeed=...)``).
+
+DeepSpeed runs the optimizer step itself: it unscales the fp16 loss, reduces and partitions the
+gradients, computes the global norm, clips and steps inside ``engine.backward``/``engine.step``.
+gradguard therefore guards it as a :class:`gradguard.contract.SteppingEngine`: after each step it
+reads the engine's global gradient norm (before clipping), its fp16 loss scale and its overflow
+flag, combines them with the loss over processes (one reduction), detects and decides. Plain loop::
+
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    guard = gradguard.Guard(engine)
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)
+        guard.step(loss)          # in place of engine.step(), on every micro-batch
+
+What the guard can do under DeepSpeed (:data:`AVAILABLE`, stated again in the ``engine`` event at
+attach): lower the LR (the multiplier goes on around the engine's step), adjust Adam's beta2/eps,
+clip (the engine clips to the guard's threshold from the next step on: ``gradient_clipping`` in the
+DeepSpeed config becomes the guard's starting ``clip.max_norm``), roll back (each process restores
+its own module weights, fp32 master partition, optimizer state and fp16 loss scaler from host
+memory; every process to the same step), skip data after a rollback (plain loop with ``batches``),
+halt with a diagnosis. Not available (:data:`UNAVAILABLE`): skipping a step before it is applied
+(the engine has applied it when the guard sees its norm: a skip becomes a rollback; an overflow step
+is skipped by DeepSpeed itself), per-layer norms and per-layer LR (ZeRO holds flat partitions of the
+gradients), batch shrinking (DeepSpeed fixes ``train_batch_size`` at initialize).
+
+Refused at attach (:func:`problems`), with the reason and the alternative: ZeRO stage 0 (that is data
+parallelism: use DDP), stage 3 (parameters partitioned: use FSDP2), pipeline engines, and a ZeRO
+optimizer whose pieces this DeepSpeed version does not expose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._compat import (
+    ds_clip,
+    ds_global_norm,
+    ds_load_scaler_state,
+    ds_loss_scale,
+    ds_master_partitions,
+    ds_overflow,
+    ds_scaler_state,
+    ds_set_clip,
+    ds_stage,
+    ds_zero_optimizer,
+    is_deepspeed_engine,
+)
+from .config import GuardConfig
+from .errors import GradGuardHalt, UnsupportedSetupError, is_rank0, warn
+
+__all__ = ["DeepSpeedEngineHandle", "DeepSpeedGuard", "problems", "AVAILABLE", "UNAVAILABLE", "is_deepspeed_engine"]
+
+#: The policy actions a DeepSpeed ZeRO 1/2 run can take.
+AVAILABLE = ("lower_lr", "adam", "tighten_clip", "rollback", "skip_data", "halt")
+#: ``{action: why not}`` under DeepSpeed.
+UNAVAILABLE: dict[str, str] = {
+    "skip": "DeepSpeed applies the step before its norm can be read: a skip becomes a rollback to the last "
+            "healthy snapshot (an overflow step is skipped by DeepSpeed itself)",
+    "lower_layer_lr": "ZeRO's optimizer updates flat partitions of the parameters: no per-layer LR under DeepSpeed",
+    "shrink_batch": "DeepSpeed fixes train_batch_size at deepspeed.initialize",
+}
+
+
+def problems(engine: Any) -> dict[str, str]:
+    """``{setting: why it cannot be guarded + the fix}`` for a DeepSpeed engine (empty: supported)."""
+    name = type(engine).__name__
+    if any(c.__name__ == "PipelineEngine" for c in type(engine).__mro__):
+        return {f"model={name}": "DeepSpeed's pipeline engine runs its own schedule of micro-batches, which "
+                "gradguard does not follow. Fix: train without pipeline parallelism (ZeRO 1/2, or FSDP2), "
+                "or remove gradguard"}
+    stage = ds_stage(engine)
+    if stage == 0:
+        return {"zero_optimization.stage=0": "DeepSpeed without ZeRO is plain data parallelism, where its engine "
+                "keeps the global gradient norm to itself. Fix: use zero_optimization.stage 1 or 2, or train "
+                "with torch's DistributedDataParallel, which gradguard guards fully"}
+    if stage >= 3:
+        return {f"zero_optimization.stage={stage}": "ZeRO-3 partitions the parameters themselves, which "
+                "gradguard cannot snapshot and restore per process. Fix: use stage 1 or 2, or shard with FSDP2 "
+                "(torch.distributed.fsdp.fully_shard) in a plain loop or under Lightning's ModelParallelStrategy"}
+    opt = ds_zero_optimizer(engine)
+    if opt is None:
+        import deepspeed
+
+        return {f"optimizer={type(engine.optimizer).__name__}": "this DeepSpeed version's ZeRO optimizer "
+                f"(deepspeed {deepspeed.__version__}) does not expose the fp32 partitions and the clip that "
+                "gradguard reads. Fix: use deepspeed 0.19, or train with DDP/FSDP2"}
+    if not getattr(opt, "compute_grad_norm", True):
+        return {"compute_grad_norm=False": "the ZeRO optimizer does not compute the global gradient norm, the "
+                "signal gradguard reads. Fix: leave the norm on (the default)"}
+    return {}
+
+
+@dataclass
+class Signals:
+    """What the engine measured in its last optimizer step (see :class:`gradguard.contract.EngineSignals`)."""
+
+    total_norm: float | None
+    scale: float | None
+    overflow: bool
+
+
+class DeepSpeedEngineHandle:
+    """A ``DeepSpeedEngine`` (ZeRO 1/2) as a :class:`gradguard.contract.SteppingEngine`."""
+
+    unavailable = {k: v for k, v in UNAVAILABLE.items() if k != "skip"}
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.stage = ds_stage(engine)
+        self.name = f"DeepSpeed ZeRO-{self.stage}"
+
+    def signals(self) -> Signals:
+        eng = self.engine
+        return Signals(total_norm=ds_global_norm(eng), scale=ds_loss_scale(eng), overflow=ds_overflow(eng))
+
+    def clip(self) -> float | None:
+        return ds_clip(self.engine) or None
+
+    def set_clip(self, max_norm: float | None) -> None:
+        ds_set_clip(self.engine, max_norm)
+
+    def snapshot_state(self) -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
+        eng = self.engine
+
+        def master() -> list[torch.Tensor]:
+            return [t.detach() for t in ds_master_partitions(eng)]
+
+        @torch.no_grad()
+        def put_master(saved: list[torch.Tensor]) -> None:
+            live = ds_master_partitions(eng)
+            if len(saved) != len(live) or any(a.shape != b.shape for a, b in zip(saved, live)):
+                raise ValueError("the fp32 master partitions changed shape since the snapshot")
+            for dst, src in zip(live, saved):
+                dst.copy_(src)
+
+        return {"deepspeed_master": (master, put_master),
+                "deepspeed_loss_scaler": (lambda: ds_scaler_state(eng), lambda s: ds_load_scaler_state(eng, s))}
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": "engine", "step": 0, "engine": self.name, "available": list(AVAILABLE),
+                "unavailable": dict(UNAVAILABLE), "clip": self.clip()}
+
+
+def build_config(config: GuardConfig, engine: Any) -> GuardConfig:
+    """The config a DeepSpeed run is guarded with: the engine's ``gradient_clipping`` becomes the
+    starting ``clip.max_norm`` (the one clip rule of :func:`gradguard.adapter.resolve_clip`)."""
+    from .adapter import check_ladder, resolve_clip
+
+    config, _ = resolve_clip(config, ds_clip(engine) or None, engine_default=0.0, setting="gradient_clipping")
+    check_ladder(config)
+    return config
+
+
+from .guard import Guard, GuardCore  # noqa: E402  (gradguard.guard imports this module lazily)
+
+
+class DeepSpeedGuard(Guard):
+    """:class:`gradguard.Guard` over a ``DeepSpeedEngine``: ``gradguard.Guard(engine)`` builds one.
+
+    Call ``guard.step(loss)`` in place of ``engine.step()`` after every micro-batch's
+    ``engine.backward(loss)``; it returns the step's :class:`StepReport` on an accumulation
+    boundary and None between. ``optimizer`` and ``scheduler`` default to the engine's."""
+
+    def __init__(self, model: Any, optimizer: Any = None, *, scheduler: Any = None, scaler: Any = None,
+                 config: GuardConfig | None = None, sinks: list[Any] | None = None, out_dir: str | None = None,
+                 layer_fn: Callable[[str], str] | None = None, batches: Any = None) -> None:
+        engine = model
+        found = problems(engine)
+        if found:
+            setting, why = next(iter(found.items()))
+            raise UnsupportedSetupError(f"gradguard: {setting}: {why}")
+        if scaler is not None:
+            raise UnsupportedSetupError("gradguard: scaler= with a DeepSpeed engine: DeepSpeed scales the loss "
+                                        "itself (its fp16 section). Fix: leave scaler out")
+        config = build_config(GuardConfig.coerce(config), engine)
+        if not is_rank0():
+            config = dataclasses.replace(config, output=dataclasses.replace(config.output, jsonl=False, console=False))
+        self.engine = engine
+        self.handle = DeepSpeedEngineHandle(engine)
+        GuardCore.__init__(self, engine.module, optimizer if optimizer is not None else engine.optimizer,
+                           config=config, sinks=sinks, out_dir=out_dir, layer_fn=layer_fn,
+                           scheduler=scheduler if scheduler is not None else engine.lr_scheduler,
+                           stepping=self.handle)
+        self.user_optimizer = engine.optimizer
+        self.scaler = None
+        self._step_scheduler = False  # the engine steps its scheduler
+        self.batches = batches
+        self.halted: dict[str, Any] | None = None
+        self._emit(self.handle.describe())
+        if config.policy.act and config.clip.mode != "off":
+            self.handle.set_clip(self.clip.threshold(0.0))  # the engine clips to the guard's threshold
+        if batches is not None:
+            self.attach_data_skip(self._skip_data)
+
+    def accumulate(self, batch: Any, loss_fn: Callable[[Any], torch.Tensor]) -> float:
+        raise UnsupportedSetupError("gradguard: Guard.accumulate with a DeepSpeed engine: DeepSpeed accumulates "
+                                    "itself (gradient_accumulation_steps). Fix: call engine.backward(loss) and "
+                                    "guard.step(loss) on every micro-batch")
+
+    def step(self, loss: torch.Tensor | float | None = None) -> Any:  # type: ignore[override]
+        eng = self.engine
+        if not eng.is_gradient_accumulation_boundary():
+            if loss is not None:
+                self.observe_loss(loss)
+            eng.step()
+            return None
+        if loss is not None and self._loss_n:
+            self.observe_loss(loss)  # the boundary's micro-batch joins the accumulated ones
+            loss = None
+        self.engine_step_begin()
+        eng.step()
+        report = self.engine_step_end(loss)
+        self.after_step(report)
+        if report.halt:
+            self.halted = report.diagnosis or {}
+            self.close()
+            if self.config.output.halt_raises:
+                raise GradGuardHalt(self.halted)
+            warn(str(GradGuardHalt(self.halted)), stacklevel=2)
+        return report

@@ -1,0 +1,161 @@
+"""Worker for tests/test_deepspeed.py: one rank of a CPU (gloo) DeepSpeed ZeRO run in a plain loop,
+``gg.Guard(engine)`` in place of ``engine.step()``. Faults on rank 1 only: a NaN loss at step 4 (the
+engine's overflow check skips it), a garbage-label window with a loss spike at steps 6-7. Writes
+what this rank saw to ``<out>/rank<R>.json``.
+
+usage: python -m torch.distributed.run --nproc_per_node N tests/ds_worker.py OUT STAGE SCENARIO
+
+SCENARIO: ``faults`` (the above, AdamW), ``lr`` / ``lr1`` (SGD; ``lr``: the LR multiplier set to 0.5
+by hand at step 3, so that step's update is half of ``lr1``'s; both: the clip tightened by hand at
+step 5), ``resume`` (faults, then at step 9 a new engine and
+guard from rank 0's saved states), ``refused`` (construction only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("DS_BUILD_OPS", "0")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gradguard as gg  # noqa: E402
+from tests._dist import shutdown  # noqa: E402
+
+STEPS = 14
+BATCH = 8
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(12, 32), nn.Linear(32, 32), nn.Linear(32, 5)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(BATCH, 12, generator=g)
+    y = (x[:, :5].argmax(dim=1) + step % 2) % 5
+    return x, y
+
+
+def build(stage: int, scenario: str, out: str) -> tuple[object, gg.Guard]:
+    torch.manual_seed(0)
+    model = MLP()
+    if scenario.startswith("lr"):
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ds_config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+                 "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+                 "zero_allow_untested_optimizer": True}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out},
+                                 policy={"ladder": [["rollback", "lower_lr"]]},
+                                 recovery={"snapshot_interval": 2, "confirm_steps": 1}, detect={"warmup_steps": 3})
+    return engine, gg.Guard(engine, config=conf)
+
+
+def flat_params(module: nn.Module) -> list[float]:
+    return [round(float(v), 7) for p in module.parameters() for v in p.detach().flatten()]
+
+
+def main(out: str, stage_s: str, scenario: str) -> None:
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    stage = int(stage_s)
+    try:
+        engine, guard = build(stage, scenario, out)
+    except gg.UnsupportedSetupError as exc:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+            json.dump({"rank": rank, "refused": str(exc)}, fh)
+        return
+    res: dict = {"rank": rank, "engine_class": type(guard).__name__,
+                 "engine_clip_at_attach": engine.optimizer.clip_grad, "max_norm_at_attach": guard.clip.max_norm}
+    after: dict[int, list[float]] = {0: flat_params(engine.module)}
+    reports = []
+    restored = []
+    for step in range(1, STEPS + 1):
+        x, y = batch(step, rank)
+        faults = scenario in ("faults", "resume")
+        if faults and rank == 1 and step in (6, 7):
+            y = torch.randint(0, 5, y.shape, generator=torch.Generator().manual_seed(step))
+            x = x * 300
+        if scenario == "lr" and step == 3:
+            guard.lr.global_mult = 0.5
+        if scenario.startswith("lr") and step == 5:
+            guard.clip.tighten()
+        before = flat_params(engine.module)
+        loss = nn.functional.cross_entropy(engine(x), y)
+        if faults and rank == 1 and step in (6, 7):
+            loss = loss * 50
+        if faults and rank == 1 and step == 4:
+            loss = loss * float("nan")
+        engine.backward(loss)
+        lr_seen = [g["lr"] for g in engine.optimizer.param_groups]
+        r = guard.step(loss)
+        reports.append(r)
+        now = flat_params(engine.module)
+        if scenario.startswith("lr") and step == 3:
+            res["delta"] = [a - b for a, b in zip(now, before)]
+            res["lr_after_step"] = [g["lr"] for g in engine.optimizer.param_groups]
+            res["lr_before_step"] = lr_seen
+        if scenario.startswith("lr") and step == 5:
+            res["clip_after_tighten"] = [guard.clip.max_norm, engine.optimizer.clip_grad]
+        for a in r.actions:
+            if a.name == "rollback" and "to_step" in a.params:
+                # the weights now are exactly those right after step to_step; the fp32 master partition too
+                to = a.params["to_step"]
+                restored.append([step, to, now == after[to]])
+                zero = engine.optimizer
+                pid = torch.distributed.get_rank(group=zero.real_dp_process_group[0])
+                master = zero.single_partition_of_fp32_groups[0]
+                res.setdefault("master_matches", []).append(
+                    bool(torch.equal(master, zero.parallel_partitioned_bit16_groups[0][pid].float())))
+        after[step] = now
+        if scenario == "resume" and step == 9:
+            box = [guard.state_dict()]
+            torch.distributed.broadcast_object_list(box, src=0)
+            guard.close()
+            engine2, guard2 = build(stage, scenario, out)
+            guard2.load_state_dict(box[0])
+            # everything but the output settings (only rank 0 writes the event log)
+            res["resumed_equal"] = [k for k in box[0] if k != "config" and guard2.state_dict().get(k) != box[0][k]]
+            engine, guard = engine2, guard2
+            after = {0: flat_params(engine.module)}  # the new engine starts over from the same weights
+    res.update({
+        "actions": [[r.step, a.name, a.params.get("to_step"), a.params.get("replaces")] for r in reports for a in r.actions],
+        "skipped": [r.step for r in reports if r.skipped],
+        "overflow": [r.step for r in reports if r.overflow],
+        "findings": [[r.step, f.kind] for r in reports for f in r.findings],
+        "losses": [r.loss for r in reports], "totals": [r.total_norm for r in reports],
+        "engine_norms": [float(engine.get_global_grad_norm() or 0.0)],
+        "restored": restored, "mult": guard.lr.global_mult, "engine_clip": engine.optimizer.clip_grad,
+        "guard_clip": guard.clip.max_norm, "params": flat_params(engine.module),
+        "log": guard.log_path,
+    })
+    events = [json.loads(line) for line in open(guard.log_path)] if guard.log_path and rank == 0 else []
+    res["engine_events"] = [e for e in events if e["type"] == "engine"]
+    guard.close()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(res, fh)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
+    shutdown()
