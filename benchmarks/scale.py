@@ -6,8 +6,9 @@ One command, every rank started here (``torch.multiprocessing``)::
     python benchmarks/scale.py --backend nccl       # one process per GPU (NCCL)
 
 For each strategy (DDP; ``zero``: DDP with torch's ``ZeroRedundancyOptimizer``; FSDP2
-``fully_shard``; ``fsdp1``: FSDP1 with flat parameters, one unit per layer) the arms run
-interleaved, in rounds, on the same model, data and process group:
+``fully_shard``; ``fsdp1``: FSDP1 with flat parameters, one unit per layer; ``deepspeed``: DeepSpeed
+ZeRO-2, ``engine.backward`` + ``engine.step`` / ``guard.step``, when deepspeed is installed) the arms
+run interleaved, in rounds, on the same model, data and process group:
 
 * ``unguarded``: ``backward`` + ``clip_grad_norm_`` (FSDP1: ``model.clip_grad_norm_``) +
   ``optimizer.step()`` (the usual loop);
@@ -69,6 +70,20 @@ class MLP(nn.Module):
         return self.head(x)
 
 
+def build_deepspeed(arm: str, args: argparse.Namespace, device: torch.device) -> Any:
+    """A ZeRO-2 engine; the ``no_clip`` arm's engine does not clip (gradient_clipping 0)."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = MLP(args.width, args.depth).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.0 if arm == "no_clip" else 1.0, "zero_optimization": {"stage": 2},
+              "steps_per_print": 10**9}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
 def build(strategy: str, args: argparse.Namespace, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     model = MLP(args.width, args.depth).to(device)
@@ -107,6 +122,15 @@ def run_arm(arm: str, model: nn.Module, opt: torch.optim.Optimizer, guard: Any, 
             ranks = EveryRank(guard.oom, model, guard.collective)
             ranks.open_step()
         loss = nn.functional.cross_entropy(model(x), y)
+        if type(model).__name__ == "DeepSpeedEngine":  # the engine backwards, clips and steps itself
+            model.backward(loss)
+            if arm in ("unguarded", "no_clip"):
+                model.step()
+            else:
+                guard.step(loss)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            continue
         loss.backward()
         if ranks is not None:
             ranks.close_step([p for p in model.parameters() if p.requires_grad], len(x))
@@ -164,6 +188,13 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
         arms: dict[str, tuple[nn.Module, torch.optim.Optimizer, Any]] = {}
         names = arms_of(strategy)
         for arm in names:  # one model, optimizer and guard per arm (same initial weights and data)
+            if strategy == "deepspeed":
+                model = build_deepspeed(arm, args, device)
+                guard = None if arm in ("unguarded", "no_clip") else gg.Guard(model, config=gg.GuardConfig.preset(
+                    "default", output=quiet, recovery={"snapshot_interval": 1 if arm == "guard_snap" else 0}))
+                arms[arm] = (model, model.optimizer, guard)
+                run_arm(arm, model, model.optimizer, guard, batches, args.warmup, device)
+                continue
             model = build(strategy, args, device)
             if strategy == "zero":  # ZeRO-1: the optimizer state sharded over the ranks
                 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -191,7 +222,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
                 ratios[arm].append(med[arm] / med["unguarded"])
         snap_guard = arms["guard_snap"][2]
         ring = snap_guard.snapshots
-        n_packed = len(snap_guard.layers) + 3
+        n_packed = 4 if strategy == "deepspeed" else len(snap_guard.layers) + 3  # deepspeed: loss, norm, scale, overflow
         results[strategy] = {
             "median_step_s": {a: statistics.median(v) for a, v in per_arm.items()},
             "ratio_vs_unguarded": {a: statistics.median(v) for a, v in ratios.items()},
@@ -255,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     ap.add_argument("--nproc", type=int, default=0, help="processes (default: 2 for gloo, every GPU for nccl)")
     ap.add_argument("--strategies", nargs="+", default=["ddp", "zero", "fsdp2", "fsdp1"],
-                    choices=["ddp", "zero", "fsdp2", "fsdp1"])
+                    choices=["ddp", "zero", "fsdp2", "fsdp1", "deepspeed"])
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32)
@@ -266,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per process (CPU)")
     ap.add_argument("--out", default=RESULTS_DIR)
     args = ap.parse_args(argv)
+    if "deepspeed" in args.strategies:
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.backend == "nccl" else "cpu")
     world = args.nproc or (torch.cuda.device_count() if args.backend == "nccl" else 2)
     if args.backend == "nccl" and world < 1:
         raise SystemExit("--backend nccl needs at least one GPU")

@@ -7,7 +7,8 @@ here raises mid-run.
 
 Supported versions, each end tested (CI runs the latest releases; the README's Development section
 has the command that runs the contract suite against the oldest): torch >= 2.13 (the only version
-testable here), transformers >= 4.57, lightning >= 2.4.
+testable here), transformers >= 4.57, lightning >= 2.4, deepspeed 0.19 (its ZeRO 1/2 optimizer's fp32
+partitions and ``clip_grad``: :func:`ds_zero_optimizer` refuses a version without them).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "fsdp1_shard_size", "fsdp1_full_shapes", "fsdp1_flat_pieces", "FlatPiece", "is_flat_param", "local_optimizer", "sync_local_param_groups", "placement_shards", "ddp_wrapper", "ddp_broadcast_buffers_at_next_forward",
     "is_deepspeed_engine", "ds_stage", "ds_zero_optimizer", "ds_global_norm", "ds_overflow", "ds_loss_scale",
     "ds_scaler_state", "ds_load_scaler_state", "ds_master_partitions", "ds_clip", "ds_set_clip",
+    "ds_partition_grads", "ds_pre_step_readable", "ds_forced_overflow", "ds_set_reported_norm",
 ]
 
 _MISSING = object()
@@ -624,3 +626,68 @@ def ds_clip(engine: Any) -> float:
 def ds_set_clip(engine: Any, max_norm: float | None) -> None:
     """Set the max norm the engine clips to from its next step (None: no clipping)."""
     engine.optimizer.clip_grad = 0.0 if max_norm is None else float(max_norm)
+
+
+def ds_partition_grads(engine: Any) -> list[tuple[Any, torch.Tensor]] | None:
+    """This process's partition of the reduced gradients at an accumulation boundary, before the
+    engine's step (ZeRO 1/2 without offload): ``[(module parameter, its piece)]``, the pieces
+    disjoint across the data-parallel ranks and, under fp16, still multiplied by the loss scale.
+    None when the layout is not the one gradguard reads (offload, another DeepSpeed version)."""
+    opt = engine.optimizer
+    groups = getattr(opt, "averaged_gradients", None)
+    params = getattr(opt, "params_in_partition", None)
+    if getattr(opt, "cpu_offload", False) or not isinstance(groups, dict) or not isinstance(params, list):
+        return None
+    out: list[tuple[Any, torch.Tensor]] = []
+    for i, group_params in enumerate(params):
+        grads = groups.get(i)
+        if grads is None:
+            if group_params:
+                return None
+            continue
+        pieces = [g for g in grads if isinstance(g, torch.Tensor) and not getattr(g, "_zero_padding", False)]
+        # the last partition may end with an unflagged padding piece, after the parameters' pieces
+        if len(pieces) < len(group_params) or any(g.numel() > p.numel() for g, p in zip(pieces, group_params)):
+            return None
+        out.extend(zip(group_params, pieces[:len(group_params)]))
+    return out
+
+
+def ds_pre_step_readable(engine: Any) -> bool:
+    """Whether :func:`ds_partition_grads` can read this engine's gradients before its step."""
+    opt = engine.optimizer
+    return (not getattr(opt, "cpu_offload", False) and isinstance(getattr(opt, "averaged_gradients", None), dict)
+            and isinstance(getattr(opt, "params_in_partition", None), list)
+            and hasattr(opt, "check_grad_overflow"))
+
+
+class ds_forced_overflow:
+    """Make the engine's next step skip itself through its own overflow path (all its buffers
+    cleared, its scheduler held, ``skipped_steps`` counted): a NaN in this process's gradient
+    partition, with the overflow check on for that step (bf16 turns it off). ``keep_scale``: put the
+    fp16 loss scaler back afterwards (a skip gradguard decided is no overflow)."""
+
+    def __init__(self, engine: Any, pieces: list[torch.Tensor], keep_scale: bool) -> None:
+        self.engine, self.pieces, self.keep_scale = engine, pieces, keep_scale
+
+    def __enter__(self) -> ds_forced_overflow:
+        opt = self.engine.optimizer
+        self._check = opt.check_grad_overflow
+        opt.check_grad_overflow = True
+        self._scaler = ds_scaler_state(self.engine) if self.keep_scale else {}
+        if self.pieces:
+            self.pieces[0].view(-1)[:1].fill_(float("nan"))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.engine.optimizer.check_grad_overflow = self._check
+        if self._scaler:
+            ds_load_scaler_state(self.engine, self._scaler)
+
+
+def ds_set_reported_norm(engine: Any, norm: float) -> None:
+    """Make ``engine.get_global_grad_norm()`` (what the HF Trainer logs as ``grad_norm``) return the
+    step's norm before gradguard clipped the partition, as in an unguarded run."""
+    for holder in (engine, engine.optimizer):  # the engine copies its optimizer's value after each step
+        if hasattr(holder, "_global_grad_norm"):
+            holder._global_grad_norm = float(norm)

@@ -9,7 +9,8 @@ gradguard's behaviour lives in :class:`gradguard.guard.GuardCore` and the core m
 2. implements the protocols of this module for its engine: a :class:`LoaderHandle` (batch size),
    a :data:`DataSkip` (skipping upcoming samples), a :class:`CheckpointSource` (the engine's own checkpoints, for the
    rollback disk tier) and a :class:`Collective` (the cross-process reduction and vote; the core's
-   :class:`TorchCollective` serves every torch.distributed engine).
+   :class:`TorchCollective` serves every torch.distributed engine). An engine that runs the
+   optimizer step itself (DeepSpeed) also implements :class:`SteppingEngine`.
 
 A new engine (Accelerate, Fabric, a torchtitan-style loop) is guarded by writing those two pieces;
 ``tests/test_contract.py`` runs the same scenarios against every engine.

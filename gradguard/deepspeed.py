@@ -32,7 +32,9 @@ optimizer whose pieces this DeepSpeed version does not expose.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,19 +43,24 @@ import torch
 
 from ._compat import (
     ds_clip,
+    ds_forced_overflow,
     ds_global_norm,
     ds_load_scaler_state,
     ds_loss_scale,
     ds_master_partitions,
     ds_overflow,
+    ds_partition_grads,
+    ds_pre_step_readable,
     ds_scaler_state,
     ds_set_clip,
+    ds_set_reported_norm,
     ds_stage,
     ds_zero_optimizer,
     is_deepspeed_engine,
 )
 from .config import GuardConfig
-from .errors import GradGuardHalt, UnsupportedSetupError, is_rank0, warn
+from .detect import Signals as StepSignals
+from .errors import GradGuardHalt, UnsupportedSetupError, is_rank0, warn, warn_once
 
 __all__ = ["DeepSpeedEngineHandle", "DeepSpeedGuard", "problems", "AVAILABLE", "UNAVAILABLE", "is_deepspeed_engine"]
 
@@ -61,8 +68,9 @@ __all__ = ["DeepSpeedEngineHandle", "DeepSpeedGuard", "problems", "AVAILABLE", "
 AVAILABLE = ("lower_lr", "adam", "tighten_clip", "rollback", "skip_data", "halt")
 #: ``{action: why not}`` under DeepSpeed.
 UNAVAILABLE: dict[str, str] = {
-    "skip": "DeepSpeed applies the step before its norm can be read: a skip becomes a rollback to the last "
-            "healthy snapshot (an overflow step is skipped by DeepSpeed itself)",
+    "skip": "with the optimizer offloaded (offload_optimizer) the gradient partition cannot be read before "
+            "DeepSpeed applies the step: a skip becomes a rollback to the last healthy snapshot (an overflow "
+            "step is skipped by DeepSpeed itself)",
     "lower_layer_lr": "ZeRO's optimizer updates flat partitions of the parameters: no per-layer LR under DeepSpeed",
     "shrink_batch": "DeepSpeed fixes train_batch_size at deepspeed.initialize",
 }
@@ -107,14 +115,69 @@ class Signals:
 
 
 class DeepSpeedEngineHandle:
-    """A ``DeepSpeedEngine`` (ZeRO 1/2) as a :class:`gradguard.contract.SteppingEngine`."""
+    """A ``DeepSpeedEngine`` (ZeRO 1/2) as a :class:`gradguard.contract.SteppingEngine`.
 
-    unavailable = {k: v for k, v in UNAVAILABLE.items() if k != "skip"}
+    ``pre_step`` (the usual case: no optimizer offload, data parallelism over every process): the
+    guard reads this process's partition of the reduced gradients before the engine's step, so it
+    measures per-layer norms (each rank its disjoint pieces, summed by the step's one reduction),
+    clips them in place and skips a step through DeepSpeed's own overflow path. Otherwise the
+    guard reads the engine's signals after its step (:func:`gradguard.guard.GuardCore.engine_step_end`)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.stage = ds_stage(engine)
         self.name = f"DeepSpeed ZeRO-{self.stage}"
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        group = getattr(engine.optimizer, "dp_process_group", None)
+        dp = dist.get_world_size(group) if world > 1 and group is not None else 1
+        self.pre_step = ds_pre_step_readable(engine) and dp == world
+        self.unavailable = {k: v for k, v in UNAVAILABLE.items() if k != "skip"}
+        self._index: dict[int, int] | None = None
+
+    # -- before the engine's step ----------------------------------------------------------
+    def measure(self, core: Any, loss: Any) -> tuple[StepSignals, list[torch.Tensor]] | None:
+        """The step's signals from this process's gradient partition, combined over processes in
+        one reduction (per-layer squared norms, loss, loss scale); None when the partition cannot
+        be read this step."""
+        found = ds_partition_grads(self.engine)
+        layers = core.layers
+        if self._index is None:
+            self._index = {id(p): layers.layer_index[i] for i, p in enumerate(layers.params)}
+        n_layers = len(layers.layer_names)
+        sq = torch.zeros(n_layers, dtype=torch.float32)
+        pieces: list[torch.Tensor] = []
+        unreadable = found is None
+        if found is not None:
+            pieces = [g for _, g in found]
+            idx = torch.tensor([self._index.get(id(p), -1) for p, _ in found], dtype=torch.long)
+            unreadable = bool((idx < 0).any())
+            if pieces and not unreadable:
+                norms = torch.stack([n.float().cpu() for n in torch._foreach_norm(pieces)])
+                sq.index_add_(0, idx, norms * norms)
+        scale = ds_loss_scale(self.engine)
+        if scale:
+            sq = sq / (scale * scale)  # fp16: the partitions still carry the loss scale
+        world = core.collective.world_size
+        loss_t = torch.tensor(float("nan")) if loss is None else (
+            loss.detach().float().reshape(()).cpu() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
+        # every rank reduces, also one that could not read its partition (its flag makes all fall back)
+        packed = torch.cat([sq * world, loss_t.reshape(1), torch.tensor([scale or 0.0, 1.0 if unreadable else 0.0])])
+        if core.reduce is not None:
+            packed = core.reduce(packed)  # mean over ranks: the disjoint pieces' squares summed, the loss averaged
+        values = packed.tolist()  # the step's one host read
+        layer_sq, loss_f, scale_f = values[:n_layers], values[n_layers], values[n_layers + 1]
+        if values[n_layers + 2] > 0:
+            return None
+        names = list(layers.layer_names)
+        norms_by_layer = {n: math.sqrt(v) if v >= 0 else float("nan") for n, v in zip(names, layer_sq)}
+        total = math.sqrt(sum(layer_sq)) if all(math.isfinite(v) for v in layer_sq) else float(
+            "nan" if any(math.isnan(v) for v in layer_sq) else "inf")
+        bad = [n for n, v in zip(names, layer_sq) if not math.isfinite(v)]
+        sig = StepSignals(step=core.step_count + 1, loss=None if loss is None else loss_f, total_norm=total,
+                          layer_norms=norms_by_layer, nonfinite_layers=bad,
+                          scale=None if scale is None else scale_f, overflow=bool(scale is not None and bad))
+        return sig, pieces
 
     def signals(self) -> Signals:
         eng = self.engine
@@ -144,8 +207,58 @@ class DeepSpeedEngineHandle:
                 "deepspeed_loss_scaler": (lambda: ds_scaler_state(eng), lambda s: ds_load_scaler_state(eng, s))}
 
     def describe(self) -> dict[str, Any]:
-        return {"type": "engine", "step": 0, "engine": self.name, "available": list(AVAILABLE),
-                "unavailable": dict(UNAVAILABLE), "clip": self.clip()}
+        unavailable = dict(self.unavailable) if self.pre_step else dict(UNAVAILABLE)
+        available = [*AVAILABLE, "skip"] if self.pre_step else list(AVAILABLE)
+        return {"type": "engine", "step": 0, "engine": self.name, "available": available,
+                "unavailable": unavailable, "measures": "per-layer gradient norms of each rank's partition, "
+                "before the step" if self.pre_step else "the engine's global norm, after its step",
+                "clip": self.clip()}
+
+    def attach(self, core: Any) -> None:
+        """At attach: the engine clips to the guard's threshold after its step, or not at all when
+        the guard clips the partitions itself before it (``pre_step``)."""
+        config = core.config
+        if config.policy.act and config.clip.mode != "off":
+            self.set_clip(None if self.pre_step else core.clip.threshold(0.0))
+        core.emit(self.describe())
+
+
+def run_engine_step(core: Any, handle: DeepSpeedEngineHandle, step_fn: Callable[[], Any],
+                    loss: Any = None) -> tuple[Any, Any]:
+    """One optimizer step of the engine under the guard (at an accumulation boundary): measure,
+    decide, clip before ``step_fn`` (the engine's own step) when the partition is readable, else
+    read the engine's signals after it. Returns ``(report, step_fn's result)``; then call
+    ``core.after_step(report)``."""
+    if handle.pre_step:
+        core.first_snapshot()
+        loss_v = core._take_loss(loss)
+        measured = handle.measure(core, loss_v)
+        if measured is not None:
+            sig, pieces = measured
+            report = core.decide(sig, pieces)
+            act = core.config.policy.act
+            skip = act and not report.applied
+            # a skip, a rollback or a halt: the engine's own overflow path drops this step (an
+            # fp16 overflow also lowers its loss scale; a skip the guard decided does not)
+            with ds_forced_overflow(handle.engine, pieces, keep_scale=not sig.overflow) if skip else contextlib.nullcontext():
+                if act:
+                    core.lr.engine_begin()
+                try:
+                    out = step_fn()
+                finally:
+                    if act:
+                        core.lr.engine_end()
+            if not skip:  # the engine's reported norm is the one before the guard's clip, as unguarded
+                ds_set_reported_norm(handle.engine, sig.total_norm)
+            return report, out
+        warn_once("deepspeed-partition", "gradguard: this step's DeepSpeed gradient partition could not be read; "
+                  "the guard reads the engine's norm after its step instead (no per-layer norms, no skip)")
+        if loss_v is not None:
+            core.observe_loss(loss_v)
+    core.engine_step_begin()
+    out = step_fn()
+    return core.engine_step_end(loss if not handle.pre_step else None), out
+
 
 
 def build_config(config: GuardConfig, engine: Any) -> GuardConfig:
@@ -193,9 +306,7 @@ class DeepSpeedGuard(Guard):
         self._step_scheduler = False  # the engine steps its scheduler
         self.batches = batches
         self.halted: dict[str, Any] | None = None
-        self._emit(self.handle.describe())
-        if config.policy.act and config.clip.mode != "off":
-            self.handle.set_clip(self.clip.threshold(0.0))  # the engine clips to the guard's threshold
+        self.handle.attach(self)
         if batches is not None:
             self.attach_data_skip(self._skip_data)
 
@@ -214,9 +325,7 @@ class DeepSpeedGuard(Guard):
         if loss is not None and self._loss_n:
             self.observe_loss(loss)  # the boundary's micro-batch joins the accumulated ones
             loss = None
-        self.engine_step_begin()
-        eng.step()
-        report = self.engine_step_end(loss)
+        report, _ = run_engine_step(self, self.handle, eng.step, loss)
         self.after_step(report)
         if report.halt:
             self.halted = report.diagnosis or {}

@@ -278,8 +278,7 @@ class GuardCore:
         that does) the same pass also yields the engine's own total norm, and
         :meth:`replay_engine_clip` then applies the engine's clip without a second pass."""
         step = self.step_count + 1
-        if self.snapshots is not None and not (self.snapshots.ring or self.snapshots.candidates):
-            self.take_snapshot(self.step_count)  # the initial (or resumed) weights, before any update
+        self.first_snapshot()
         loss_v = self._take_loss(loss)
         scale_t, found_t = _scaler_state(scaler, self.optimizer)
         meas = self.measurer.measure([loss_v, scale_t, found_t], reduce=self.reduce, engine=engine_clip)
@@ -419,13 +418,24 @@ class GuardCore:
         self._last = report
         return report
 
+    def first_snapshot(self) -> None:
+        """The initial (or resumed) weights, before any update: snapshotted once, before the first step."""
+        if self.snapshots is not None and not (self.snapshots.ring or self.snapshots.candidates):
+            self.take_snapshot(self.step_count)
+
+    def decide(self, sig: Signals, grads: list[torch.Tensor]) -> StepReport:
+        """BEFORE_OPTIMIZER_STEP for an engine that measures its own gradients (DeepSpeed ZeRO's
+        partitions: see :mod:`gradguard.deepspeed`): ``sig`` already combined over processes,
+        ``grads`` this process's gradient tensors, clipped here in place. The engine then skips
+        the step when the report is not ``applied``."""
+        return self._conclude(sig, grads)
+
     # -- engines that step the optimizer themselves (contract.SteppingEngine) -------------
     def engine_step_begin(self) -> None:
         """ENGINE_STEP_START: before a :class:`SteppingEngine` runs its optimizer step (before
         the boundary micro-batch's backward where the engine steps inside it): the first snapshot
         (the weights before any update) and the LR multiplier put on the optimizer's groups."""
-        if self.snapshots is not None and not (self.snapshots.ring or self.snapshots.candidates):
-            self.take_snapshot(self.step_count)
+        self.first_snapshot()
         if self.config.policy.act:
             self.lr.engine_begin()
 

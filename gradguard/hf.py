@@ -201,8 +201,6 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             control.should_save = True
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._ds is not None:
-            self._ds.step_begin()
         if self.decision is not None:
             self.decision.decided = False  # a step interrupted earlier (an exception) never leaves its decision behind
         if self.runner is not None:

@@ -27,6 +27,7 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gradguard as gg  # noqa: E402
+from gradguard.measure import default_layer_name  # noqa: E402
 from tests._dist import shutdown  # noqa: E402
 
 STEPS = 14
@@ -60,14 +61,33 @@ def build(stage: int, scenario: str, out: str) -> tuple[object, gg.Guard]:
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    zero: dict = {"stage": stage}
+    extra: dict = {}
+    if scenario == "offload":  # the optimizer on the host: the partition is not readable before the step
+        zero["offload_optimizer"] = {"device": "cpu"}
+        extra = {"zero_force_ds_cpu_optimizer": False}
     ds_config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-                 "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
-                 "zero_allow_untested_optimizer": True}
+                 "gradient_clipping": 1.0, "zero_optimization": zero, "steps_per_print": 10**9,
+                 "zero_allow_untested_optimizer": True, **extra}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out},
                                  policy={"ladder": [["rollback", "lower_lr"]]},
                                  recovery={"snapshot_interval": 2, "confirm_steps": 1}, detect={"warmup_steps": 3})
     return engine, gg.Guard(engine, config=conf)
+
+
+def reference_norms(world: int) -> dict[str, float]:
+    """Per-layer gradient norms of the same model at step 1 in one process, on every rank's batch
+    (ZeRO averages the ranks' gradients: the gradient of the mean loss over the joined batch)."""
+    torch.manual_seed(0)
+    model = MLP()
+    xs, ys = zip(*(batch(1, r) for r in range(world)))
+    nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+    sq: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        layer = default_layer_name(name)
+        sq[layer] = sq.get(layer, 0.0) + float(p.grad.double().pow(2).sum())
+    return {k: v ** 0.5 for k, v in sq.items()}
 
 
 def flat_params(module: nn.Module) -> list[float]:
@@ -85,14 +105,14 @@ def main(out: str, stage_s: str, scenario: str) -> None:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
             json.dump({"rank": rank, "refused": str(exc)}, fh)
         return
-    res: dict = {"rank": rank, "engine_class": type(guard).__name__,
+    res: dict = {"rank": rank, "engine_class": type(guard).__name__, "ref": reference_norms(torch.distributed.get_world_size()),
                  "engine_clip_at_attach": engine.optimizer.clip_grad, "max_norm_at_attach": guard.clip.max_norm}
     after: dict[int, list[float]] = {0: flat_params(engine.module)}
     reports = []
     restored = []
     for step in range(1, STEPS + 1):
         x, y = batch(step, rank)
-        faults = scenario in ("faults", "resume")
+        faults = scenario in ("faults", "resume", "offload")
         if faults and rank == 1 and step in (6, 7):
             y = torch.randint(0, 5, y.shape, generator=torch.Generator().manual_seed(step))
             x = x * 300
@@ -140,7 +160,7 @@ def main(out: str, stage_s: str, scenario: str) -> None:
             after = {0: flat_params(engine.module)}  # the new engine starts over from the same weights
     res.update({
         "actions": [[r.step, a.name, a.params.get("to_step"), a.params.get("replaces")] for r in reports for a in r.actions],
-        "skipped": [r.step for r in reports if r.skipped],
+        "skipped": [r.step for r in reports if r.skipped], "norms": reports[0].layer_norms,
         "overflow": [r.step for r in reports if r.overflow],
         "findings": [[r.step, f.kind] for r in reports for f in r.findings],
         "losses": [r.loss for r in reports], "totals": [r.total_norm for r in reports],

@@ -1,9 +1,13 @@
-"""DeepSpeed ZeRO 1/2 in a plain loop: ``gg.Guard(engine)``, two gloo processes on the CPU
-(tests/ds_worker.py under torchrun). DeepSpeed steps the optimizer itself, so the guard reads the
-engine's global norm, loss scale and overflow flag after each step; faults exist on rank 1 only (a
-NaN loss at step 4, a garbage-label window at steps 6-7)."""
+"""DeepSpeed ZeRO 1/2 in a plain loop (``gg.Guard(engine)``, two gloo processes on the CPU,
+tests/ds_worker.py under torchrun) and under the HF Trainer (tests/hf_ds_worker.py, one process).
+The guard reads each rank's partition of the reduced gradients before DeepSpeed's step (per-layer
+norms, clip, skip through DeepSpeed's overflow path); with the optimizer offloaded it reads the
+engine's norm after the step. Faults exist on rank 1 only (a NaN loss at step 4, a garbage-label
+window at steps 6-7)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -13,37 +17,68 @@ pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
 
 WORKER = "ds_worker.py"
+SAME = ("actions", "skipped", "overflow", "findings", "losses", "totals", "restored", "params", "master_matches",
+        "norms", "mult")
 
 
 @pytest.mark.parametrize("stage", ["1", "2"])
-def test_fault_on_one_rank_same_actions_rollback_restores_each_rank_exactly(tmp_path_factory, stage):
+def test_fault_on_one_rank_same_actions_norms_of_one_process_exact_rollback(tmp_path_factory, stage):
     r0, r1 = run(tmp_path_factory, stage, "faults", worker=WORKER)
-    for k in ("actions", "skipped", "overflow", "findings", "losses", "totals", "restored", "params", "master_matches"):
+    for k in SAME:
         assert r0[k] == r1[k], k
     assert r0["engine_class"] == "DeepSpeedGuard"
-    # the NaN step: DeepSpeed's overflow check skipped it, the guard saw it (inf norm) and took no action
-    assert r0["overflow"] == [4] and r0["totals"][3] == float("inf")
-    assert [4, "nonfinite_loss"] in r0["findings"]
-    # the spike window: the engine had applied the step, so the guard's skip became a rollback
-    assert [a[1] for a in r0["actions"]] == ["rollback", "rollback"]
-    assert r0["actions"][0][0] == 6 and r0["actions"][0][3] == "skip"
+    # as with DDP: the NaN step and the spike window skipped before DeepSpeed applied them; the
+    # repeated spike escalates (rollback + lower LR), on both ranks at the same step
     assert r0["skipped"] == [4, 6, 7]
-    # after each rollback every rank's weights are exactly those after the restored step, and the
-    # fp32 master partition (what ZeRO updates) matches them: the next step does not undo the rollback
+    assert [a[:2] for a in r0["actions"]] == [[7, "rollback"], [7, "lower_lr"]] and r0["actions"][0][2] == 2
+    assert r0["mult"] < 1
+    # per-layer norms from the ranks' disjoint partitions = one process on both ranks' batches
+    assert set(r0["norms"]) == set(r0["ref"]) == {"layers.0", "layers.1", "layers.2"}
+    for layer, ref in r0["ref"].items():
+        assert r0["norms"][layer] == pytest.approx(ref, rel=1e-5)
+    # after the rollback every rank's weights are exactly those after the restored step, and the
+    # fp32 master partition (what ZeRO updates) matches them: the next step does not undo it
+    assert r0["restored"] == [[7, 2, True]] and r0["master_matches"] == [True]
+    assert all(x == x for x in r0["losses"][7:]) and r0["losses"][-1] < r0["losses"][4] * 2
+
+
+def test_attach_states_the_available_actions_and_the_guard_clips(tmp_path_factory):
+    r0, _ = run(tmp_path_factory, "2", "faults", worker=WORKER)
+    # gradient_clipping=1.0 became the guard's starting max_norm; the guard clips the partitions
+    # itself, so the engine's own clip is off
+    assert r0["max_norm_at_attach"] == 1.0 and r0["engine_clip_at_attach"] == 0.0
+    (event,) = r0["engine_events"]
+    assert event["engine"] == "DeepSpeed ZeRO-2" and "before the step" in event["measures"]
+    assert set(event["available"]) == {"lower_lr", "adam", "tighten_clip", "rollback", "skip_data", "halt", "skip"}
+    assert set(event["unavailable"]) == {"lower_layer_lr", "shrink_batch"}
+    # every record of the run's event log validates against the shipped schema
+    jsonschema = pytest.importorskip("jsonschema")
+    from gradguard.sinks import event_schema
+
+    validator = jsonschema.Draft202012Validator(event_schema())
+    records = [json.loads(line) for line in open(r0["log"], encoding="utf-8")]
+    assert {"start", "engine", "finding", "action", "skip", "summary"} <= {r["type"] for r in records}
+    for rec in records:
+        assert not [e.message for e in validator.iter_errors(rec)], rec
+
+
+def test_offloaded_optimizer_reads_the_engine_after_its_step(tmp_path_factory):
+    """offload_optimizer: the partition lives on the host and is not readable before the step, so
+    the guard reads DeepSpeed's global norm and overflow flag after it; a skip becomes a rollback."""
+    r0, r1 = run(tmp_path_factory, "2", "offload", worker=WORKER)
+    for k in ("actions", "skipped", "overflow", "totals", "restored", "params"):
+        assert r0[k] == r1[k], k
+    (event,) = r0["engine_events"]
+    assert "after its step" in event["measures"] and "skip" in event["unavailable"]
+    assert r0["engine_clip_at_attach"] == 1.0  # the engine clips, to the guard's threshold
+    assert r0["overflow"] == [4] and r0["totals"][3] == float("inf")  # DeepSpeed skipped the NaN step itself
+    assert [a[1] for a in r0["actions"]] == ["rollback", "rollback"] and r0["actions"][0][3] == "skip"
+    assert r0["skipped"] == [4, 6, 7]
     assert r0["restored"] and all(ok for _, _, ok in r0["restored"])
     assert r0["master_matches"] == [True] * len(r0["restored"])
-    assert all(x == x for x in r0["losses"][7:])  # training went on, finite
-    assert r0["losses"][-1] < r0["losses"][4] * 2
-
-
-def test_attach_states_the_available_actions_and_takes_over_the_engine_clip(tmp_path_factory):
-    r0, _ = run(tmp_path_factory, "2", "faults", worker=WORKER)
-    # gradient_clipping=1.0 in the DeepSpeed config became the guard's starting max_norm; the engine clips to it
-    assert r0["engine_clip_at_attach"] == r0["max_norm_at_attach"] == 1.0
-    (event,) = r0["engine_events"]
-    assert event["engine"] == "DeepSpeed ZeRO-2"
-    assert set(event["available"]) == {"lower_lr", "adam", "tighten_clip", "rollback", "skip_data", "halt"}
-    assert set(event["unavailable"]) == {"skip", "lower_layer_lr", "shrink_batch"}
+    # the engine's norms are the pre-step partition norms of the readable run, to float rounding
+    faults, _ = run(tmp_path_factory, "2", "faults", worker=WORKER)
+    assert r0["totals"][:3] == pytest.approx(faults["totals"][:3], rel=1e-6)
 
 
 def test_lr_multiplier_and_clip_reach_the_engine_step(tmp_path_factory):
@@ -55,9 +90,9 @@ def test_lr_multiplier_and_clip_reach_the_engine_step(tmp_path_factory):
     assert all(a == pytest.approx(0.5 * b, rel=1e-3, abs=1e-7) for a, b in moved)
     # the scheduler's LR is back in the param groups after the step (the multiplier is never baked in)
     assert half["lr_after_step"] == half["lr_before_step"] == [0.1]
-    # a tightened clip is what the engine clips the next step to
+    # a tightened clip is the guard's; the engine's own stays off
     max_norm, engine_clip = half["clip_after_tighten"]
-    assert max_norm < 1.0 and engine_clip == pytest.approx(max_norm)
+    assert max_norm < 1.0 and engine_clip == 0.0
 
 
 def test_resume_restores_the_guard_on_every_rank(tmp_path_factory):
@@ -78,17 +113,19 @@ def test_hf_trainer_with_deepspeed_zero2(tmp_path_factory):
     """The HF callback under TrainingArguments(deepspeed=...) (one process: accelerate on the CPU counts
     one DeepSpeed process only): the same decisions as the plain loop, in the Trainer's logs too."""
     (r,) = run(tmp_path_factory, "2", "faults", worker="hf_ds_worker.py", nproc=1)
-    assert r["overflow"] == [4] and r["totals"][3] == float("inf")
-    assert [a[:2] for a in r["actions"]] == [[6, "rollback"], [7, "rollback"]] and r["actions"][0][3] == "skip"
     assert r["skipped"] == [4, 6, 7]
+    assert [a[:2] for a in r["actions"]] == [[7, "rollback"], [7, "lower_lr"]]
     (event,) = r["engine_events"]
-    assert event["engine"] == "DeepSpeed ZeRO-2" and event["clip"] == 0.5  # max_grad_norm became the guard's clip
+    assert event["engine"] == "DeepSpeed ZeRO-2" and "skip" in event["available"]
     logs = {e["step"]: e for e in r["logs"] if "gradguard/grad_norm/total" in e}
-    # the engine's global norm is what the guard reports; the LR multiplier re-warms after the rollback
-    assert logs[2]["gradguard/grad_norm/total"] == pytest.approx(logs[2]["grad_norm"])
-    assert logs[6]["gradguard/action/rollback"] == 1.0
-    assert logs[8]["gradguard/lr/group0"] < 0.1 * logs[8]["gradguard/lr_scheduled/group0"]
-    assert all(e["engine_clip"] == 0.5 for e in logs.values())
+    # per-layer norms reach the Trainer's logs; the Trainer's grad_norm is the norm before the guard's
+    # clip (max_grad_norm 0.5), as in an unguarded DeepSpeed run
+    assert any(k.startswith("gradguard/grad_norm/") and not k.endswith("/total") for k in logs[2])
+    assert logs[2]["gradguard/grad_norm/total"] == pytest.approx(logs[2]["grad_norm"], rel=1e-6)
+    assert logs[2]["grad_norm"] > 0.5
+    assert logs[7]["gradguard/action/rollback"] == 1.0
+    assert logs[9]["gradguard/lr/group0"] < 0.5 * logs[9]["gradguard/lr_scheduled/group0"]
+    assert all(e["engine_clip"] == 0.0 for e in logs.values())
     # the checkpoint at step 10 carries the guard state (for a resumed run)
-    assert r["state_file"]["guard"]["step_count"] == 10 and r["state_file"]["guard"]["snapshots"]["restored"] == 2
+    assert r["state_file"]["guard"]["step_count"] == 10 and r["state_file"]["guard"]["snapshots"]["restored"] == 1
     assert all(x == x for x in r["losses"][7:]) and r["losses"][-1] < 6

@@ -1,13 +1,15 @@
 """The HF callback under DeepSpeed ZeRO 1/2 (``TrainingArguments(deepspeed=...)``).
 
-DeepSpeed steps inside ``accelerator.backward`` of the boundary micro-batch, before the Trainer's
-``on_pre_optimizer_step``; the core is therefore driven as for a
-:class:`gradguard.contract.SteppingEngine` (see :mod:`gradguard.deepspeed`):
+DeepSpeed steps inside ``accelerator.backward`` of the boundary micro-batch (accelerate calls
+``engine.step()`` after ``engine.backward``), before the Trainer's ``on_pre_optimizer_step``. The
+callback therefore shadows ``engine.step`` on the engine instance for the run (removed at the end)
+and drives the core there, as the plain loop does (:func:`gradguard.deepspeed.run_engine_step`):
 
-* ``on_step_begin`` -> ENGINE_STEP_START (``core.engine_step_begin``: first snapshot, LR multiplier on)
 * the model's forward hook -> MICRO_LOSS
-* ``on_pre_optimizer_step`` -> ENGINE_STEP_END (``core.engine_step_end``: the engine's norm, loss
-  scale and overflow flag; a halt stops the Trainer and saves)
+* ``engine.step()`` at an accumulation boundary -> BEFORE_OPTIMIZER_STEP (the partition's
+  per-layer norms, decide, clip, skip through DeepSpeed's overflow path), the engine's own step
+  with the LR multiplier on; or, where the partition cannot be read, ENGINE_STEP_START/END
+* ``on_pre_optimizer_step`` -> a halt stops the Trainer and saves
 * ``on_step_end`` -> AFTER_OPTIMIZER_STEP (``core.after_step``)
 
 ``TrainingArguments.max_grad_norm`` (DeepSpeed's ``gradient_clipping``) becomes the guard's starting
@@ -20,7 +22,8 @@ from typing import Any
 
 import torch
 
-from ..deepspeed import DeepSpeedEngineHandle, build_config
+from .._compat import shadow_method, unshadow_method
+from ..deepspeed import DeepSpeedEngineHandle, build_config, run_engine_step
 from ..guard import GuardCore, StepReport
 
 __all__ = ["DeepSpeedRun"]
@@ -35,12 +38,19 @@ class DeepSpeedRun:
         config = build_config(config, engine)
         self.core = GuardCore(engine.module, engine.optimizer, config=config, sinks=sinks, out_dir=out_dir,
                               scheduler=lr_scheduler, stepping=self.handle)
-        self.core.emit(self.handle.describe())
-        if config.policy.act and config.clip.mode != "off":
-            self.handle.set_clip(self.core.clip.threshold(0.0))
-        self._losses: list[torch.Tensor] = []
+        self.handle.attach(self.core)
         self._hook = engine.module.register_forward_hook(self._forward_hook, with_kwargs=True)
         self.report: StepReport | None = None
+        original = engine.step
+
+        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            if not engine.is_gradient_accumulation_boundary():
+                return original(*args, **kwargs)
+            self.report, out = run_engine_step(self.core, self.handle, lambda: original(*args, **kwargs))
+            return out
+
+        self._step = guarded_step
+        self._previous = shadow_method(engine, "step", guarded_step)
 
     def _forward_hook(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         if not module.training or not torch.is_grad_enabled():
@@ -51,11 +61,8 @@ class DeepSpeedRun:
         if isinstance(loss, torch.Tensor):
             self.core.observe_loss(loss.detach().float().mean())
 
-    def step_begin(self) -> None:
-        self.core.engine_step_begin()
-
-    def pre_optimizer_step(self) -> StepReport:
-        self.report = self.core.engine_step_end()
+    def pre_optimizer_step(self) -> StepReport | None:
+        """The report of the step the engine has just taken (None if it took none)."""
         return self.report
 
     def step_end(self, engine_logs: bool) -> StepReport | None:
@@ -68,6 +75,7 @@ class DeepSpeedRun:
         return {"guard": self.core.state_dict()}
 
     def close(self) -> dict[str, Any]:
+        unshadow_method(self.engine, "step", self._step, self._previous)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
