@@ -56,8 +56,10 @@ class Event(enum.Enum):
                                    # is False)
 
         An engine that runs the optimizer step itself (DeepSpeed: unscaling, clipping and the
-        step happen inside its ``backward``/``step``; a :class:`SteppingEngine`) replaces the two
-        step events by:
+        step happen inside its ``backward``/``step``; a :class:`SteppingEngine`) measures its own
+        gradient buffers where it can (ZeRO's partitions) and calls ``core.decide(signals, grads)``
+        at BEFORE_OPTIMIZER_STEP, skipping through its own mechanism; where it cannot (an offloaded
+        optimizer) it replaces the two step events by:
 
                 ENGINE_STEP_START      # core.engine_step_begin(): first snapshot, LR multiplier on
                 engine.step()          # the engine clips (to the guard's threshold) and steps

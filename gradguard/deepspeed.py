@@ -218,9 +218,17 @@ class DeepSpeedEngineHandle:
         """At attach: the engine clips to the guard's threshold after its step, or not at all when
         the guard clips the partitions itself before it (``pre_step``)."""
         config = core.config
+        self._user_clip = ds_clip(self.engine)
         if config.policy.act and config.clip.mode != "off":
             self.set_clip(None if self.pre_step else core.clip.threshold(0.0))
         core.emit(self.describe())
+
+
+    def release(self) -> None:
+        """At close: the engine's own clip as the user configured it."""
+        if getattr(self, "_user_clip", None) is not None:
+            ds_set_clip(self.engine, self._user_clip or None)
+            self._user_clip = None
 
 
 def run_engine_step(core: Any, handle: DeepSpeedEngineHandle, step_fn: Callable[[], Any],

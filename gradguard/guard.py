@@ -955,6 +955,8 @@ class GuardCore:
         """Write the summary, close the sinks and take the LR hooks off the optimizer (idempotent)."""
         summary = self.summary()
         self.lr.remove()  # the optimizer runs at the user's LR again
+        if self.stepping is not None and hasattr(self.stepping, "release"):
+            self.stepping.release()  # the engine clips as the user configured it again
         if self.snapshots is not None:
             self.snapshots.close()  # this run's snapshot files are of no use after it
         if not self._closed:

@@ -172,6 +172,7 @@ def main(out: str, stage_s: str, scenario: str) -> None:
     events = [json.loads(line) for line in open(guard.log_path)] if guard.log_path and rank == 0 else []
     res["engine_events"] = [e for e in events if e["type"] == "engine"]
     guard.close()
+    res["engine_clip_after_close"] = engine.optimizer.clip_grad
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(res, fh)
 

@@ -47,6 +47,7 @@ def test_attach_states_the_available_actions_and_the_guard_clips(tmp_path_factor
     # gradient_clipping=1.0 became the guard's starting max_norm; the guard clips the partitions
     # itself, so the engine's own clip is off
     assert r0["max_norm_at_attach"] == 1.0 and r0["engine_clip_at_attach"] == 0.0
+    assert r0["engine_clip_after_close"] == 1.0  # closed: the engine clips as configured again
     (event,) = r0["engine_events"]
     assert event["engine"] == "DeepSpeed ZeRO-2" and "before the step" in event["measures"]
     assert set(event["available"]) == {"lower_lr", "adam", "tighten_clip", "rollback", "skip_data", "halt", "skip"}
