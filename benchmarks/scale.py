@@ -192,7 +192,8 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
                 model = build_deepspeed(arm, args, device)
                 guard = None if arm in ("unguarded", "no_clip") else gg.Guard(model, config=gg.GuardConfig.preset(
                     "default", output=quiet, recovery={"snapshot_interval": 1 if arm == "guard_snap" else 0}))
-                arms[arm] = (model, model.optimizer, guard)
+                opt = model.optimizer
+                arms[arm] = (model, opt, guard)
                 run_arm(arm, model, model.optimizer, guard, batches, args.warmup, device)
                 continue
             model = build(strategy, args, device)
@@ -222,7 +223,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
                 ratios[arm].append(med[arm] / med["unguarded"])
         snap_guard = arms["guard_snap"][2]
         ring = snap_guard.snapshots
-        n_packed = 4 if strategy == "deepspeed" else len(snap_guard.layers) + 3  # deepspeed: loss, norm, scale, overflow
+        n_packed = len(snap_guard.layers) + 3  # per-layer squares, loss, scale, flag
         results[strategy] = {
             "median_step_s": {a: statistics.median(v) for a, v in per_arm.items()},
             "ratio_vs_unguarded": {a: statistics.median(v) for a, v in ratios.items()},
@@ -285,7 +286,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     ap.add_argument("--nproc", type=int, default=0, help="processes (default: 2 for gloo, every GPU for nccl)")
-    ap.add_argument("--strategies", nargs="+", default=["ddp", "zero", "fsdp2", "fsdp1"],
+    import importlib.util
+
+    default = ["ddp", "zero", "fsdp2", "fsdp1"] + (["deepspeed"] if importlib.util.find_spec("deepspeed") else [])
+    ap.add_argument("--strategies", nargs="+", default=default,
                     choices=["ddp", "zero", "fsdp2", "fsdp1", "deepspeed"])
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--depth", type=int, default=8)

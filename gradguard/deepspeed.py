@@ -3,9 +3,7 @@ the HF Trainer (``TrainingArguments(deepspeed=...)``).
 
 DeepSpeed runs the optimizer step itself: it unscales the fp16 loss, reduces and partitions the
 gradients, computes the global norm, clips and steps inside ``engine.backward``/``engine.step``.
-gradguard therefore guards it as a :class:`gradguard.contract.SteppingEngine`: after each step it
-reads the engine's global gradient norm (before clipping), its fp16 loss scale and its overflow
-flag, combines them with the loss over processes (one reduction), detects and decides. Plain loop::
+Plain loop::
 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     guard = gradguard.Guard(engine)
@@ -14,16 +12,21 @@ flag, combines them with the loss over processes (one reduction), detects and de
         engine.backward(loss)
         guard.step(loss)          # in place of engine.step(), on every micro-batch
 
-What the guard can do under DeepSpeed (:data:`AVAILABLE`, stated again in the ``engine`` event at
-attach): lower the LR (the multiplier goes on around the engine's step), adjust Adam's beta2/eps,
-clip (the engine clips to the guard's threshold from the next step on: ``gradient_clipping`` in the
-DeepSpeed config becomes the guard's starting ``clip.max_norm``), roll back (each process restores
-its own module weights, fp32 master partition, optimizer state and fp16 loss scaler from host
-memory; every process to the same step), skip data after a rollback (plain loop with ``batches``),
-halt with a diagnosis. Not available (:data:`UNAVAILABLE`): skipping a step before it is applied
-(the engine has applied it when the guard sees its norm: a skip becomes a rollback; an overflow step
-is skipped by DeepSpeed itself), per-layer norms and per-layer LR (ZeRO holds flat partitions of the
-gradients), batch shrinking (DeepSpeed fixes ``train_batch_size`` at initialize).
+Before the engine's step (:func:`run_engine_step`) the guard reads each rank's partition of the
+reduced gradients (:func:`gradguard._compat.ds_partition_grads`): the pieces are disjoint across
+ranks, so their per-layer squared norms, summed by the step's one reduction, are the model's. It
+decides as in any engine, clips the partition in place (the engine's own clip is turned off; its
+``gradient_clipping`` is the guard's starting ``clip.max_norm``) and skips through DeepSpeed's own
+overflow path (:class:`gradguard._compat.ds_forced_overflow`). The LR multiplier goes on the param
+groups around the engine's step. A rollback restores each rank's module weights, fp32 master
+partition, optimizer state and fp16 loss-scaler counters (:meth:`DeepSpeedEngineHandle.snapshot_state`).
+
+With the optimizer offloaded the partition is not readable: the guard then reads the engine's
+global norm, loss scale and overflow flag after its step, as a
+:class:`gradguard.contract.SteppingEngine` (``GuardCore.engine_step_end``); a skip then becomes a
+rollback. What is available either way is stated in the ``engine`` event at attach
+(:data:`AVAILABLE`, :data:`UNAVAILABLE`): no per-layer LR (ZeRO's optimizer updates flat
+partitions), no batch shrinking (DeepSpeed fixes ``train_batch_size``).
 
 Refused at attach (:func:`problems`), with the reason and the alternative: ZeRO stage 0 (that is data
 parallelism: use DDP), stage 3 (parameters partitioned: use FSDP2), pipeline engines, and a ZeRO
