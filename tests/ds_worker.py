@@ -5,7 +5,8 @@ what this rank saw to ``<out>/rank<R>.json``.
 
 usage: python -m torch.distributed.run --nproc_per_node N tests/ds_worker.py OUT STAGE SCENARIO
 
-SCENARIO: ``faults`` (the above, AdamW), ``lr`` / ``lr1`` (SGD; ``lr``: the LR multiplier set to 0.5
+SCENARIO: ``faults`` (the above, AdamW; ``bf16``: the same in bf16, ``offload``: the same with the
+optimizer offloaded), ``lr`` / ``lr1`` (SGD; ``lr``: the LR multiplier set to 0.5
 by hand at step 3, so that step's update is half of ``lr1``'s; both: the clip tightened by hand at
 step 5), ``resume`` (faults, then at step 9 a new engine and
 guard from rank 0's saved states), ``refused`` (construction only).
@@ -66,6 +67,10 @@ def build(stage: int, scenario: str, out: str) -> tuple[object, gg.Guard]:
     if scenario == "offload":  # the optimizer on the host: the partition is not readable before the step
         zero["offload_optimizer"] = {"device": "cpu"}
         extra = {"zero_force_ds_cpu_optimizer": False}
+    if scenario == "bf16":
+        extra["bf16"] = {"enabled": True}
+    if scenario == "fp16":
+        extra["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
     ds_config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
                  "gradient_clipping": 1.0, "zero_optimization": zero, "steps_per_print": 10**9,
                  "zero_allow_untested_optimizer": True, **extra}
@@ -112,7 +117,7 @@ def main(out: str, stage_s: str, scenario: str) -> None:
     restored = []
     for step in range(1, STEPS + 1):
         x, y = batch(step, rank)
-        faults = scenario in ("faults", "resume", "offload")
+        faults = scenario in ("faults", "resume", "offload", "bf16", "fp16")
         if faults and rank == 1 and step in (6, 7):
             y = torch.randint(0, 5, y.shape, generator=torch.Generator().manual_seed(step))
             x = x * 300
@@ -121,15 +126,18 @@ def main(out: str, stage_s: str, scenario: str) -> None:
         if scenario.startswith("lr") and step == 5:
             guard.clip.tighten()
         before = flat_params(engine.module)
-        loss = nn.functional.cross_entropy(engine(x), y)
+        dtype = next(engine.module.parameters()).dtype
+        loss = nn.functional.cross_entropy(engine(x.to(dtype)).float(), y)
         if faults and rank == 1 and step in (6, 7):
             loss = loss * 50
         if faults and rank == 1 and step == 4:
             loss = loss * float("nan")
         engine.backward(loss)
         lr_seen = [g["lr"] for g in engine.optimizer.param_groups]
+        scale_before = getattr(getattr(engine.optimizer, "loss_scaler", None), "cur_scale", None)
         r = guard.step(loss)
         reports.append(r)
+        res.setdefault("scales", []).append([scale_before, r.scale])
         now = flat_params(engine.module)
         if scenario.startswith("lr") and step == 3:
             res["delta"] = [a - b for a, b in zip(now, before)]
@@ -145,8 +153,9 @@ def main(out: str, stage_s: str, scenario: str) -> None:
                 zero = engine.optimizer
                 pid = torch.distributed.get_rank(group=zero.real_dp_process_group[0])
                 master = zero.single_partition_of_fp32_groups[0]
+                bit16 = zero.parallel_partitioned_bit16_groups[0][pid]  # bf16: the master rounded
                 res.setdefault("master_matches", []).append(
-                    bool(torch.equal(master, zero.parallel_partitioned_bit16_groups[0][pid].float())))
+                    bool(torch.equal(master.to(bit16.dtype), bit16)))
         after[step] = now
         if scenario == "resume" and step == 9:
             box = [guard.state_dict()]

@@ -42,6 +42,22 @@ def test_fault_on_one_rank_same_actions_norms_of_one_process_exact_rollback(tmp_
     assert all(x == x for x in r0["losses"][7:]) and r0["losses"][-1] < r0["losses"][4] * 2
 
 
+def test_bf16_skip_goes_through_deepspeeds_overflow_path(tmp_path_factory):
+    """bf16 (no loss scale; the skip goes through DeepSpeed's overflow path, whose check the guard
+    turns on for that step should a bf16 configuration have it off): the same decisions as fp32,
+    the norms of one process to bf16 precision."""
+    r0, r1 = run(tmp_path_factory, "2", "bf16", worker=WORKER)
+    for k in SAME:
+        assert r0[k] == r1[k], k
+    assert r0["skipped"] == [4, 6, 7]
+    assert [a[:2] for a in r0["actions"]] == [[7, "rollback"], [7, "lower_lr"]]
+    assert all(x == x for x in r0["losses"][4:5] + r0["losses"][7:])  # the NaN step left no NaN behind
+    for layer, ref in r0["ref"].items():
+        assert r0["norms"][layer] == pytest.approx(ref, rel=2e-2)
+    assert r0["restored"] == [[7, 2, True]] and r0["master_matches"] == [True]
+    assert all(s == [1.0, None] for s in r0["scales"])  # no fp16 loss scale in bf16
+
+
 def test_attach_states_the_available_actions_and_the_guard_clips(tmp_path_factory):
     r0, _ = run(tmp_path_factory, "2", "faults", worker=WORKER)
     # gradient_clipping=1.0 became the guard's starting max_norm; the guard clips the partitions
