@@ -55,16 +55,27 @@ def text_data(n: int) -> list[dict[str, torch.Tensor]]:
 
 def main(out: str, stage_s: str, scenario: str) -> None:
     torch.manual_seed(0)
-    model = Poisoned(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_positions=32))
+    quiet = scenario == "quiet"  # the quiet-failure setting of tests/test_quiet.py: lr 0.1, no warm-up, clip 1.0
+    if quiet:
+        model = Poisoned(GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=32,
+                                    bos_token_id=0, eos_token_id=0))
+    else:
+        model = Poisoned(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_positions=32))
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "gradient_clipping": "auto", "train_batch_size": "auto", "zero_optimization": {"stage": int(stage_s)},
           "steps_per_print": 10**9}
-    args = TrainingArguments(output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=4, max_steps=14,
-                             report_to=[], deepspeed=ds, logging_steps=1, save_strategy="steps", save_steps=10,
-                             learning_rate=3e-3, max_grad_norm=0.5, disable_tqdm=True)
-    conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out},
-                                 policy={"ladder": [["rollback", "lower_lr"]]},
-                                 recovery={"snapshot_interval": 2, "confirm_steps": 1}, detect={"warmup_steps": 3})
+    if quiet:
+        args = TrainingArguments(output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=8, max_steps=45,
+                                 report_to=[], deepspeed=ds, logging_steps=5, save_strategy="no", learning_rate=0.1,
+                                 lr_scheduler_type="cosine", max_grad_norm=1.0, disable_tqdm=True, seed=0)
+        conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out})
+    else:
+        args = TrainingArguments(output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=4, max_steps=14,
+                                 report_to=[], deepspeed=ds, logging_steps=1, save_strategy="steps", save_steps=10,
+                                 learning_rate=3e-3, max_grad_norm=0.5, disable_tqdm=True)
+        conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out},
+                                     policy={"ladder": [["rollback", "lower_lr"]]},
+                                     recovery={"snapshot_interval": 2, "confirm_steps": 1}, detect={"warmup_steps": 3})
     cb = GradGuardCallback(config=conf)
     logs: list[dict] = []
 
@@ -77,7 +88,14 @@ def main(out: str, stage_s: str, scenario: str) -> None:
                 out_logs.append(entry)
 
     out_logs = logs
-    trainer = Trainer(model=model, args=args, train_dataset=text_data(80), callbacks=[cb, Faults(model), Logs()])
+    callbacks = [cb, Logs()] if quiet else [cb, Faults(model), Logs()]
+    if quiet:
+        from tests.test_hf import ByteDataset
+
+        data = ByteDataset()
+    else:
+        data = text_data(80)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train()
     events = [json.loads(line) for line in open(cb.core.log_path)] if cb.core and cb.core.log_path else []
     state_file = os.path.join(out, "trainer", "checkpoint-10", "gradguard_state.json")
@@ -85,6 +103,10 @@ def main(out: str, stage_s: str, scenario: str) -> None:
                        for a in r.actions],
            "skipped": [r.step for r in cb.reports if r.skipped], "overflow": [r.step for r in cb.reports if r.overflow],
            "findings": [[r.step, f.kind] for r in cb.reports for f in r.findings],
+           "takeover": [[r.step, f.layers, f.value, f.threshold] for r in cb.reports for f in r.findings
+                        if f.kind == "norm_takeover"],
+           "action_params": [[r.step, a.name, a.params] for r in cb.reports for a in r.actions],
+           "mult": cb.core.lr.global_mult if cb.core else None,
            "totals": [r.total_norm for r in cb.reports], "losses": [r.loss for r in cb.reports],
            "logs": logs, "engine_events": [e for e in events if e["type"] == "engine"],
            "state_file": json.load(open(state_file)) if os.path.exists(state_file) else None,

@@ -146,3 +146,16 @@ def test_hf_trainer_with_deepspeed_zero2(tmp_path_factory):
     # the checkpoint at step 10 carries the guard state (for a resumed run)
     assert r["state_file"]["guard"]["step_count"] == 10 and r["state_file"]["guard"]["snapshots"]["restored"] == 1
     assert all(x == x for x in r["losses"][7:]) and r["losses"][-1] < 6
+
+
+def test_hf_deepspeed_quiet_failure_is_found_from_the_partition_norms(tmp_path_factory):
+    """The quiet failure of tests/test_quiet.py (GPT-2, AdamW at lr 0.1 without warm-up, clip 1.0: no
+    spike) under DeepSpeed ZeRO-2: the per-layer norms read from the gradient partition show the final
+    norm taking the gradient; the default callback rolls back and cuts the LR, as without DeepSpeed."""
+    (r,) = run(tmp_path_factory, "2", "quiet", worker="hf_ds_worker.py", nproc=1)
+    assert not [f for f in r["findings"] if f[1] in ("loss_spike", "nonfinite_loss")]
+    (step, layers, value, threshold), *_ = r["takeover"]
+    assert layers == ["transformer.ln_f"] and value > threshold == 0.2
+    acts = {name: params for s, name, params in r["action_params"] if s == step}
+    assert acts["rollback"]["to_step"] == 0 and acts["lower_lr"]["to"] == pytest.approx(0.03)
+    assert r["mult"] == pytest.approx(0.03) and len(r["losses"]) == 45
