@@ -63,7 +63,7 @@ from ._compat import (
 )
 from .config import GuardConfig
 from .detect import Signals as StepSignals
-from .errors import GradGuardHalt, UnsupportedSetupError, is_rank0, warn, warn_once
+from .errors import UnsupportedSetupError, is_rank0, warn_once
 
 __all__ = ["DeepSpeedEngineHandle", "DeepSpeedGuard", "problems", "AVAILABLE", "UNAVAILABLE", "is_deepspeed_engine"]
 
@@ -337,11 +337,4 @@ class DeepSpeedGuard(Guard):
             self.observe_loss(loss)  # the boundary's micro-batch joins the accumulated ones
             loss = None
         report, _ = run_engine_step(self, self.handle, eng.step, loss)
-        self.after_step(report)
-        if report.halt:
-            self.halted = report.diagnosis or {}
-            self.close()
-            if self.config.output.halt_raises:
-                raise GradGuardHalt(self.halted)
-            warn(str(GradGuardHalt(self.halted)), stacklevel=2)
-        return report
+        return self._finish(report)

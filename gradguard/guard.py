@@ -1215,13 +1215,18 @@ class Guard(GuardCore):
             self.scaler.update(new_scale=self.scale_to_keep(report))
         if report.applied and self._step_scheduler:
             self.scheduler.step()
+        return self._finish(report)
+
+    def _finish(self, report: StepReport) -> StepReport:
+        """AFTER_OPTIMIZER_STEP of the plain loop: counters, metrics; a halt closes the guard and
+        raises :class:`GradGuardHalt` (``output.halt_raises=False``: a warning)."""
         self.after_step(report)
         if report.halt:
             self.halted = report.diagnosis or {}
             self.close()
             if self.config.output.halt_raises:
                 raise GradGuardHalt(self.halted)
-            warn(str(GradGuardHalt(self.halted)), stacklevel=2)
+            warn(str(GradGuardHalt(self.halted)), stacklevel=3)
         return report
 
     def state_dict(self) -> dict[str, Any]:

@@ -30,29 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gradguard as gg  # noqa: E402
 from gradguard.measure import default_layer_name  # noqa: E402
 from tests._dist import shutdown  # noqa: E402
+from tests.plain_dist_worker import BATCH, MLP, batch  # noqa: E402  (the model and data of the DDP/FSDP tests)
 
 STEPS = 14
-BATCH = 8
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(12, 32), nn.Linear(32, 32), nn.Linear(32, 5)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = torch.tanh(x)
-        return x
-
-
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(BATCH, 12, generator=g)
-    y = (x[:, :5].argmax(dim=1) + step % 2) % 5
-    return x, y
 
 
 def build(stage: int, scenario: str, out: str) -> tuple[object, gg.Guard]:

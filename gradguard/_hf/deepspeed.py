@@ -25,6 +25,7 @@ import torch
 from .._compat import shadow_method, unshadow_method
 from ..deepspeed import DeepSpeedEngineHandle, build_config, run_engine_step
 from ..guard import GuardCore, StepReport
+from .steps import output_loss
 
 __all__ = ["DeepSpeedRun"]
 
@@ -55,9 +56,7 @@ class DeepSpeedRun:
     def _forward_hook(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         if not module.training or not torch.is_grad_enabled():
             return
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, dict):
-            loss = output.get("loss")
+        loss = output_loss(output, kwargs)
         if isinstance(loss, torch.Tensor):
             self.core.observe_loss(loss.detach().float().mean())
 

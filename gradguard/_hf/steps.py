@@ -16,6 +16,17 @@ from ..policy import Action
 __all__ = ["StepRunner"]
 
 
+def output_loss(output: Any, kwargs: dict[str, Any]) -> Any:
+    """The training loss in a model's forward output: ``outputs.loss``, ``output["loss"]``, or the
+    first element of a tuple when labels were passed (None if there is none)."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)) and output and kwargs.get("labels") is not None:
+        loss = output[0]
+    return loss
+
+
 class StepRunner:
     """Per-run micro-batch state of the HF adapter, and the ``training_step`` wrapper (installed only
     when the policy acts: monitor mode changes nothing)."""
@@ -49,11 +60,7 @@ class StepRunner:
         """A forward hook on the model: ``outputs.loss`` of every training micro-batch."""
         if not module.training or not torch.is_grad_enabled():
             return
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, dict):
-            loss = output.get("loss")
-        if loss is None and isinstance(output, (tuple, list)) and output and kwargs.get("labels") is not None:
-            loss = output[0]
+        loss = output_loss(output, kwargs)
         if isinstance(loss, torch.Tensor):
             self.losses.append(loss.detach().float().mean())
             self.sum_semantics = kwargs.get("num_items_in_batch") is not None
