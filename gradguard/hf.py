@@ -157,6 +157,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if getattr(trainer, "is_deepspeed_enabled", False) is True and is_deepspeed_engine(engine):
             self._ds = DeepSpeedRun(cfg, engine, lr_scheduler, list(self.user_sinks), out_dir)
             self.core = self._ds.core
+            if state.global_step > 0:
+                self._restore(args, state)  # the guard state of the checkpoint resumed from
             self._control, self._tstate = control, state
             self._callbacks = list(getattr(getattr(trainer, "callback_handler", None), "callbacks", None) or [])
             return
@@ -178,7 +180,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         args.max_grad_norm = math.inf  # keep unscaling + measuring in the Trainer, never its clipping
 
     def _restore(self, args: Any, state: Any) -> None:
-        assert self.core is not None and self.runner is not None
+        assert self.core is not None and (self.runner is not None or self._ds is not None)
         resume, self._resume_state = self._resume_state, None
         try:
             hf_state.resume(self.core, self.runner, self._batches, self.config, resume, args, state, type(self).__name__)
@@ -277,8 +279,6 @@ class GradGuardCallback(TrainerCallback, ExportableState):
     # -- state -----------------------------------------------------------------------------
     def _export(self, saving: int | None = None) -> dict[str, Any]:
         out_dir = self._args.output_dir if self._args is not None else None
-        if self._ds is not None:
-            return self._ds.state()
         return hf_state.export_state(self.core, self.runner, self._batches, out_dir, saving)
 
     def state(self) -> dict[str, Any]:

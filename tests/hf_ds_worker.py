@@ -4,6 +4,10 @@ process only). A NaN loss at step 4 (DeepSpeed's overflow check skips it), a los
 steps 6-7. Writes what it saw to ``<out>/rank0.json``.
 
 usage: python -m torch.distributed.run --nproc_per_node 1 tests/hf_ds_worker.py OUT STAGE SCENARIO
+
+SCENARIO: ``faults`` (the above; a checkpoint at step 10), ``resume`` (run after ``faults`` in the same
+OUT, in a new process: resumed from its checkpoint-10 with a new callback), ``quiet`` (tests/test_quiet.py's
+quiet failure).
 """
 
 from __future__ import annotations
@@ -96,7 +100,10 @@ def main(out: str, stage_s: str, scenario: str) -> None:
     else:
         data = text_data(80)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
-    trainer.train()
+    if scenario == "resume":  # a new process: the faults run's checkpoint-10 in the same OUT, resumed
+        trainer.train(resume_from_checkpoint=os.path.join(out, "trainer", "checkpoint-10"))
+    else:
+        trainer.train()
     events = [json.loads(line) for line in open(cb.core.log_path)] if cb.core and cb.core.log_path else []
     state_file = os.path.join(out, "trainer", "checkpoint-10", "gradguard_state.json")
     res = {"actions": [[r.step, a.name, a.params.get("to_step"), a.params.get("replaces")] for r in cb.reports
@@ -111,6 +118,11 @@ def main(out: str, stage_s: str, scenario: str) -> None:
            "logs": logs, "engine_events": [e for e in events if e["type"] == "engine"],
            "state_file": json.load(open(state_file)) if os.path.exists(state_file) else None,
            "engine_clip_end": trainer.model_wrapped.optimizer.clip_grad, "guard_max_norm": cb.config.clip.max_norm}
+    res["resume_events"] = [e for e in events if e["type"] == "resume"]
+    res["steps"] = [r.step for r in cb.reports]
+    res["guard_state"] = cb.core.state_dict() if cb.core else None
+    with open(os.path.join(out, f"{scenario}.json"), "w") as fh:
+        json.dump(res, fh)
     with open(os.path.join(out, "rank0.json"), "w") as fh:
         json.dump(res, fh)
 

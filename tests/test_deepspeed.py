@@ -159,3 +159,36 @@ def test_hf_deepspeed_quiet_failure_is_found_from_the_partition_norms(tmp_path_f
     acts = {name: params for s, name, params in r["action_params"] if s == step}
     assert acts["rollback"]["to_step"] == 0 and acts["lower_lr"]["to"] == pytest.approx(0.03)
     assert r["mult"] == pytest.approx(0.03) and len(r["losses"]) == 45
+
+
+def test_hf_deepspeed_resume_restores_the_guard(tmp_path):
+    """A checkpoint of the HF + DeepSpeed run (step 10) resumed in a new process with a new callback:
+    the guard state saved with it is restored (the counters and the rollback from step 7 carried on)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tests.test_scale import ROOT
+
+    def launch(scenario: str) -> dict:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(port),
+               os.path.join(ROOT, "tests", "hf_ds_worker.py"), str(tmp_path), "2", scenario]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads((tmp_path / f"{scenario}.json").read_text())
+
+    first = launch("faults")
+    resumed = launch("resume")
+    (event,) = resumed["resume_events"]
+    assert event["restored"] is True and event["step"] == 10 and event["guard_step"] == 10
+    assert resumed["steps"] == [11, 12, 13, 14]
+    saved = first["state_file"]["guard"]
+    state = resumed["guard_state"]
+    assert state["step_count"] == 14 and state["skipped_steps"] == saved["skipped_steps"] == 3
+    assert state["action_counts"] == saved["action_counts"] == {"rollback": 1, "lower_lr": 1}
+    assert state["lr"]["global_mult"] == saved["lr"]["global_mult"] < 1

@@ -70,9 +70,6 @@ class DeepSpeedRun:
             self.core.after_step(report, engine_logs=engine_logs)
         return report
 
-    def state(self) -> dict[str, Any]:
-        return {"guard": self.core.state_dict()}
-
     def close(self) -> dict[str, Any]:
         unshadow_method(self.engine, "step", self._step, self._previous)
         if self._hook is not None:

@@ -28,11 +28,11 @@ def export_state(core: GuardCore | None, runner: StepRunner | None, batches: Tra
                  output_dir: str | None, saving: int | None = None) -> dict[str, Any]:
     """The state saved with a checkpoint; with ``saving`` (the step of the checkpoint being written)
     the guard state lists that checkpoint in its rollback tier."""
-    if core is None or runner is None:
+    if core is None:
         return {}
     guard = (core.state_dict() if saving is None
              else core.checkpoint_state(saving, [checkpoint_dir(str(output_dir), saving)]))
-    return {"guard": guard, **runner.state_dict(),
+    return {"guard": guard, **(runner.state_dict() if runner is not None else {}),
             **(batches.state_dict() if batches is not None else {"batch_size": None, "base_batch_size": None})}
 
 
@@ -53,7 +53,7 @@ def ensure_state_entry(state: Any, name: str, export: Callable[[], dict[str, Any
         entries[name] = export()
 
 
-def resume(core: GuardCore, runner: StepRunner, batches: TrainerLoader | None, config: GuardConfig,
+def resume(core: GuardCore, runner: StepRunner | None, batches: TrainerLoader | None, config: GuardConfig,
            restored: dict[str, Any] | None, args: Any, state: Any, name: str) -> None:
     """Put back the guard state of the checkpoint resumed from (see ``find_resume_state``). One that
     cannot be used: ``StateError`` when acting (nothing changed yet), a warning in monitor mode."""
@@ -67,7 +67,8 @@ def resume(core: GuardCore, runner: StepRunner, batches: TrainerLoader | None, c
         core.start_at(state.global_step)
         core.emit({"type": "resume", "step": state.global_step, "restored": False})
         return
-    runner.load_state_dict(found)
+    if runner is not None:  # None under DeepSpeed (no step runner: the engine steps itself)
+        runner.load_state_dict(found)
     if batches is not None:
         batches.load_state_dict(found)
         if batches.resizable:  # the LR's linear scaling follows the batch the run resumes with
