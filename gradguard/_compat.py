@@ -43,7 +43,7 @@ _MISSING = object()
 def versions() -> dict[str, str]:
     """Installed versions of the packages gradguard reaches into."""
     out = {"torch": torch.__version__}
-    for name in ("transformers", "lightning", "pytorch_lightning", "accelerate"):
+    for name in ("transformers", "lightning", "pytorch_lightning", "accelerate", "deepspeed"):
         mod = sys.modules.get(name)
         if mod is not None:
             out[name] = str(getattr(mod, "__version__", "?"))

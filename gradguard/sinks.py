@@ -35,7 +35,7 @@ def package_versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for dist, module in (("gradguard", "gradguard"), ("torch", "torch"), ("transformers", "transformers"),
                          ("accelerate", "accelerate"), ("lightning", "lightning"),
-                         ("pytorch-lightning", "pytorch_lightning")):
+                         ("pytorch-lightning", "pytorch_lightning"), ("deepspeed", "deepspeed")):
         if module not in sys.modules:
             continue
         try:
