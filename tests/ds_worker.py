@@ -8,7 +8,7 @@ usage: python -m torch.distributed.run --nproc_per_node N tests/ds_worker.py OUT
 SCENARIO: ``faults`` (the above, AdamW; ``bf16``: the same in bf16, ``offload``: the same with the
 optimizer offloaded), ``lr`` / ``lr1`` (SGD; ``lr``: the LR multiplier set to 0.5
 by hand at step 3, so that step's update is half of ``lr1``'s; both: the clip tightened by hand at
-step 5), ``resume`` (faults, then at step 9 a new engine and
+step 5), ``gas`` (two micro-batches per step: gradient_accumulation_steps=2), ``resume`` (faults, then at step 9 a new engine and
 guard from rank 0's saved states), ``refused`` (construction only).
 """
 
@@ -51,7 +51,8 @@ def build(stage: int, scenario: str, out: str) -> tuple[object, gg.Guard]:
         extra["bf16"] = {"enabled": True}
     if scenario == "fp16":
         extra["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
-    ds_config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+    gas = 2 if scenario == "gas" else 1  # gas: each rank's batch in two micro-batches of half the size
+    ds_config = {"train_micro_batch_size_per_gpu": BATCH // gas, "gradient_accumulation_steps": gas,
                  "gradient_clipping": 1.0, "zero_optimization": zero, "steps_per_print": 10**9,
                  "zero_allow_untested_optimizer": True, **extra}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
@@ -107,11 +108,20 @@ def main(out: str, stage_s: str, scenario: str) -> None:
             guard.clip.tighten()
         before = flat_params(engine.module)
         dtype = next(engine.module.parameters()).dtype
+        if scenario == "gas":  # the first half as its own micro-batch: guard.step steps the engine's micro count
+            half = BATCH // 2
+            first = nn.functional.cross_entropy(engine(x[:half]), y[:half])
+            engine.backward(first)
+            res.setdefault("micro_returns", []).append(guard.step(first))
+            res.setdefault("micro_losses", []).append(float(first))
+            x, y = x[half:], y[half:]
         loss = nn.functional.cross_entropy(engine(x.to(dtype)).float(), y)
         if faults and rank == 1 and step in (6, 7):
             loss = loss * 50
         if faults and rank == 1 and step == 4:
             loss = loss * float("nan")
+        if scenario == "gas":
+            res.setdefault("micro_losses2", []).append(float(loss))
         engine.backward(loss)
         lr_seen = [g["lr"] for g in engine.optimizer.param_groups]
         scale_before = getattr(getattr(engine.optimizer, "loss_scaler", None), "cur_scale", None)

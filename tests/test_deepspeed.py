@@ -192,3 +192,16 @@ def test_hf_deepspeed_resume_restores_the_guard(tmp_path):
     assert state["step_count"] == 14 and state["skipped_steps"] == saved["skipped_steps"] == 3
     assert state["action_counts"] == saved["action_counts"] == {"rollback": 1, "lower_lr": 1}
     assert state["lr"]["global_mult"] == saved["lr"]["global_mult"] < 1
+
+
+def test_gradient_accumulation_two_micro_batches_per_step(tmp_path_factory):
+    """gradient_accumulation_steps=2: ``guard.step`` on every micro-batch steps the engine's micro
+    count and returns None between boundaries; at the boundary the norms are those of the whole
+    step's samples in one process and the loss is the mean over micro-batches and ranks."""
+    r0, r1 = run(tmp_path_factory, "2", "gas", worker=WORKER)
+    assert r0["micro_returns"] == [None] * 14 and len(r0["losses"]) == 14
+    for layer, ref in r0["ref"].items():
+        assert r0["norms"][layer] == pytest.approx(ref, rel=1e-5)
+    micro = [r["micro_losses"][0] + r["micro_losses2"][0] for r in (r0, r1)]
+    assert r0["losses"][0] == pytest.approx(sum(micro) / 4, rel=1e-6)
+    assert r0["params"] == r1["params"] and not r0["skipped"]
