@@ -1076,6 +1076,11 @@ class Guard(GuardCore):
         from .adapter import refuse_setup
         from .misuse import MisuseWatch, check_optimizer
 
+        if type(optimizer).__module__.startswith("deepspeed") or is_deepspeed_engine(getattr(model, "module", None)):
+            raise UnsupportedSetupError(
+                f"gradguard: optimizer={type(optimizer).__name__}: a DeepSpeed optimizer is stepped by its engine. "
+                "Fix: pass the engine deepspeed.initialize returned, gradguard.Guard(engine), and call "
+                "guard.step(loss) in place of engine.step()")
         check_optimizer(unwrap_optimizer(optimizer))  # closure optimizers (LBFGS) are refused
         refuse_setup(model)  # sharded layouts gradguard cannot measure (FSDP1 flat parameters of an unknown layout)
         self._misuse = MisuseWatch()

@@ -59,6 +59,8 @@ def build(stage: int, scenario: str, out: str) -> tuple[object, gg.Guard]:
     conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out},
                                  policy={"ladder": [["rollback", "lower_lr"]]},
                                  recovery={"snapshot_interval": 2, "confirm_steps": 1}, detect={"warmup_steps": 3})
+    if scenario == "wrong":  # the module and DeepSpeed's optimizer, not the engine
+        return engine, gg.Guard(engine.module, engine.optimizer, config=conf)
     return engine, gg.Guard(engine, config=conf)
 
 

@@ -119,9 +119,12 @@ def test_resume_restores_the_guard_on_every_rank(tmp_path_factory):
     assert r0["actions"] == faults["actions"] and r0["skipped"] == faults["skipped"]
 
 
-@pytest.mark.parametrize("stage,setting", [("0", "zero_optimization.stage=0"), ("3", "zero_optimization.stage=3")])
-def test_stage_0_and_3_refused_at_attach_with_the_alternative(tmp_path_factory, stage, setting):
-    r0, r1 = run(tmp_path_factory, stage, "faults", worker=WORKER)
+@pytest.mark.parametrize("stage,scenario,setting", [("0", "faults", "zero_optimization.stage=0"),
+                                                    ("3", "faults", "zero_optimization.stage=3"),
+                                                    ("2", "wrong", "optimizer=DeepSpeedZeroOptimizer")])
+def test_unsupported_setups_refused_at_attach_with_the_alternative(tmp_path_factory, stage, scenario, setting):
+    """Stage 0 and 3; and ``gg.Guard(engine.module, engine.optimizer)`` (the fix: pass the engine)."""
+    r0, r1 = run(tmp_path_factory, stage, scenario, worker=WORKER)
     assert r0["refused"] == r1["refused"]
     assert setting in r0["refused"] and "Fix:" in r0["refused"]
 
