@@ -142,8 +142,9 @@ class GuardCore:
         self.reduce = reduce if reduce is not None else (
             self.collective.mean if self.collective.world_size > 1 else None)
         self.optimizer = unwrap_optimizer(optimizer)
-        #: an engine that steps the optimizer itself (DeepSpeed): the core reads its signals after
-        #: each step (engine_step_begin/engine_step_end) instead of measuring the gradients
+        #: an engine that steps the optimizer itself (DeepSpeed): it measures its own gradient
+        #: buffers and calls decide(), or the core reads its signals after its step
+        #: (engine_step_begin/engine_step_end); its unavailable actions are recorded as such
         self.stepping = stepping
         # a stepping engine's optimizer holds its own flat copies of the parameters (ZeRO's fp32
         # partitions): the layer map names the module's parameters without following it
@@ -164,7 +165,7 @@ class GuardCore:
         self.policy = Policy(config.policy)
         self.clip = ClipController(config.clip)
         # a stepping engine may call the optimizer once per param group: the multiplier goes on
-        # around the engine's whole step instead (engine_step_begin / engine_step_end)
+        # around the engine's whole step instead (LRMultiplier.engine_begin / engine_end)
         self.lr = LRMultiplier(config.lr, self.optimizer, self.layers, hooks=config.policy.act and stepping is None)
         self.adam = AdamTuner(config.adam, self.optimizer)
         self.actuators: dict[str, Callable[[Action], dict[str, Any]]] = {}
