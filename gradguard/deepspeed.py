@@ -259,7 +259,9 @@ def run_engine_step(core: Any, handle: DeepSpeedEngineHandle, step_fn: Callable[
                 finally:
                     if act:
                         core.lr.engine_end()
-            if not skip:  # the engine's reported norm is the one before the guard's clip, as unguarded
+            if not skip and ds_overflow(handle.engine):  # DeepSpeed skipped it on its own (monitor mode)
+                core.engine_skipped(report, f"{handle.name} skipped the step (overflow)")
+            elif not skip:  # the engine's reported norm is the one before the guard's clip, as unguarded
                 ds_set_reported_norm(handle.engine, sig.total_norm)
             return report, out
         warn_once("deepspeed-partition", "gradguard: this step's DeepSpeed gradient partition could not be read; "

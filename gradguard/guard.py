@@ -431,6 +431,17 @@ class GuardCore:
         the step when the report is not ``applied``."""
         return self._conclude(sig, grads)
 
+    def engine_skipped(self, report: StepReport, reason: str) -> None:
+        """The engine skipped a step the guard let through (DeepSpeed's own overflow check): the
+        report, the counters and the event log say so."""
+        if not report.applied:
+            return
+        report.applied = False
+        report.skip_reason = reason
+        report.clipped = False
+        self.skipped_steps += 1
+        self._emit({"type": "skip", "step": report.step, "reason": reason, "finding_ids": []})
+
     # -- engines that step the optimizer themselves (contract.SteppingEngine) -------------
     def engine_step_begin(self) -> None:
         """ENGINE_STEP_START: before a :class:`SteppingEngine` runs its optimizer step (before

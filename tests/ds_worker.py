@@ -59,6 +59,8 @@ def build(stage: int, scenario: str, out: str) -> tuple[object, gg.Guard]:
     conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out},
                                  policy={"ladder": [["rollback", "lower_lr"]]},
                                  recovery={"snapshot_interval": 2, "confirm_steps": 1}, detect={"warmup_steps": 3})
+    if scenario == "monitor":  # watching only: DeepSpeed clips and skips as configured
+        conf = gg.GuardConfig.preset("monitor", output={"console": False, "dir": out}, detect={"warmup_steps": 3})
     if scenario == "wrong":  # the module and DeepSpeed's optimizer, not the engine
         return engine, gg.Guard(engine.module, engine.optimizer, config=conf)
     return engine, gg.Guard(engine, config=conf)
@@ -100,7 +102,7 @@ def main(out: str, stage_s: str, scenario: str) -> None:
     restored = []
     for step in range(1, STEPS + 1):
         x, y = batch(step, rank)
-        faults = scenario in ("faults", "resume", "offload", "bf16", "fp16")
+        faults = scenario in ("faults", "resume", "offload", "bf16", "fp16", "monitor")
         if faults and rank == 1 and step in (6, 7):
             y = torch.randint(0, 5, y.shape, generator=torch.Generator().manual_seed(step))
             x = x * 300

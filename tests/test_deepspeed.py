@@ -208,3 +208,16 @@ def test_gradient_accumulation_two_micro_batches_per_step(tmp_path_factory):
     micro = [r["micro_losses"][0] + r["micro_losses2"][0] for r in (r0, r1)]
     assert r0["losses"][0] == pytest.approx(sum(micro) / 4, rel=1e-6)
     assert r0["params"] == r1["params"] and not r0["skipped"]
+
+
+def test_monitor_watches_without_changing_the_engine(tmp_path_factory):
+    """The monitor preset: per-layer findings on both ranks, no action, DeepSpeed's own clip left in
+    force; the NaN step DeepSpeed skips on its own is reported as skipped."""
+    r0, r1 = run(tmp_path_factory, "2", "monitor", worker=WORKER)
+    for k in ("findings", "skipped", "totals", "params"):
+        assert r0[k] == r1[k], k
+    assert r0["actions"] == [] and r0["mult"] == 1.0
+    assert r0["engine_clip_at_attach"] == r0["engine_clip"] == 1.0
+    assert r0["skipped"] == [4] and [6, "loss_spike"] in r0["findings"]
+    for layer, ref in r0["ref"].items():
+        assert r0["norms"][layer] == pytest.approx(ref, rel=1e-5)
