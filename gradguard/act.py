@@ -239,11 +239,7 @@ class LRMultiplier:
         self._active = any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
         if not self._active:
             return
-        mult = self.current()
-        if mult != 1.0:
-            self._saved_lrs = [g["lr"] for g in optimizer.param_groups]
-            for g in optimizer.param_groups:
-                g["lr"] = g["lr"] * mult
+        self._multiply_lrs(optimizer)
         active = {k: m for k, m in self.layer_mult.items() if m != 1.0}
         if active:
             params, copies, weights = [], [], []
@@ -263,12 +259,7 @@ class LRMultiplier:
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._active:
             return
-        if self.warm_left > 0:
-            self.warm_left -= 1
-        if self._saved_lrs is not None:
-            for g, lr in zip(optimizer.param_groups, self._saved_lrs):
-                g["lr"] = lr
-            self._saved_lrs = None
+        self._restore_lrs(optimizer)
         if self._saved_params is not None:
             params, copies, weights = self._saved_params
             for p, c, w in zip(params, copies, weights):
@@ -280,22 +271,29 @@ class LRMultiplier:
         multiplier goes on every group's ``lr`` (layer multipliers do not apply: such an engine's
         optimizer updates flat copies of the parameters)."""
         self._saved_lrs = None
-        mult = self.current()
-        if mult != 1.0:
-            self._saved_lrs = [g["lr"] for g in self.optimizer.param_groups]
-            for g in self.optimizer.param_groups:
-                g["lr"] = g["lr"] * mult
+        self._multiply_lrs(self.optimizer)
         self._active = True
 
     def engine_end(self) -> None:
         """After that step: the scheduler's values back, one step of a re-warm-up ramp counted."""
-        if not self._active:
-            return
-        self._active = False
+        if self._active:
+            self._active = False
+            self._restore_lrs(self.optimizer)
+
+    def _multiply_lrs(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every group's ``lr`` times the multiplier in force for this step (the scheduler's values kept)."""
+        mult = self.current()
+        if mult != 1.0:
+            self._saved_lrs = [g["lr"] for g in optimizer.param_groups]
+            for g in optimizer.param_groups:
+                g["lr"] = g["lr"] * mult
+
+    def _restore_lrs(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the step: the scheduler's values back; one step of a re-warm-up ramp counted."""
         if self.warm_left > 0:
             self.warm_left -= 1
         if self._saved_lrs is not None:
-            for g, lr in zip(self.optimizer.param_groups, self._saved_lrs):
+            for g, lr in zip(optimizer.param_groups, self._saved_lrs):
                 g["lr"] = lr
             self._saved_lrs = None
 

@@ -230,7 +230,8 @@ class LocalCollective:
 
 class TorchCollective:
     """:class:`Collective` over the default ``torch.distributed`` process group (DDP under any
-    engine). ``mean`` is one all-reduce (sum, then divide by the world size); ``all_agree`` one
+    engine). ``mean`` is one all-reduce (sum, then divide by the world size; a host tensor goes to
+    the GPU and back under NCCL); ``all_agree`` one
     all-reduce of a 0/1 flag with MIN, on the device the backend needs (CUDA for NCCL)."""
 
     def __init__(self) -> None:
@@ -244,7 +245,12 @@ class TorchCollective:
     def mean(self, packed: torch.Tensor) -> torch.Tensor:
         if self._world <= 1:
             return packed
-        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.SUM)
+        dist = torch.distributed
+        if packed.device.type == "cpu" and dist.get_backend() == "nccl":  # NCCL reduces GPU tensors only
+            on_gpu = packed.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM)
+            return (on_gpu / self._world).cpu()
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
         return packed / self._world
 
     def all_agree(self, ok: bool) -> bool:

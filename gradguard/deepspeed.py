@@ -109,7 +109,7 @@ def problems(engine: Any) -> dict[str, str]:
 
 
 @dataclass
-class Signals:
+class EngineReading:
     """What the engine measured in its last optimizer step (see :class:`gradguard.contract.EngineSignals`)."""
 
     total_norm: float | None
@@ -136,7 +136,9 @@ class DeepSpeedEngineHandle:
         dp = dist.get_world_size(group) if world > 1 and group is not None else 1
         self.pre_step = ds_pre_step_readable(engine) and dp == world
         self.unavailable = {k: v for k, v in UNAVAILABLE.items() if k != "skip"}
-        self._index: dict[int, int] | None = None
+        self._index: dict[int, int] = {}  # id(module parameter) -> its layer, rebuilt when layers join
+        self._index_version = -1
+        self._user_clip: float | None = None  # the engine's own clip at attach, put back at close
 
     # -- before the engine's step ----------------------------------------------------------
     def measure(self, core: Any, loss: Any) -> tuple[StepSignals, list[torch.Tensor]] | None:
@@ -145,27 +147,28 @@ class DeepSpeedEngineHandle:
         be read this step."""
         found = ds_partition_grads(self.engine)
         layers = core.layers
-        if self._index is None:
+        if self._index_version != layers.version:
             self._index = {id(p): layers.layer_index[i] for i, p in enumerate(layers.params)}
+            self._index_version = layers.version
         n_layers = len(layers.layer_names)
-        sq = torch.zeros(n_layers, dtype=torch.float32)
-        pieces: list[torch.Tensor] = []
-        unreadable = found is None
-        if found is not None:
-            pieces = [g for _, g in found]
-            idx = torch.tensor([self._index.get(id(p), -1) for p, _ in found], dtype=torch.long)
-            unreadable = bool((idx < 0).any())
-            if pieces and not unreadable:
-                norms = torch.stack([n.float().cpu() for n in torch._foreach_norm(pieces)])
-                sq.index_add_(0, idx, norms * norms)
+        pieces = [g for _, g in found] if found else []
+        # the partition's device (a GPU's under NCCL); nothing leaves it before the one host read
+        device = pieces[0].device if pieces else torch.device("cpu")
+        sq = torch.zeros(n_layers, dtype=torch.float32, device=device)
+        owners = [self._index.get(id(p), -1) for p, _ in found or []]
+        unreadable = found is None or -1 in owners
+        if pieces and not unreadable:
+            norms = torch.stack(torch._foreach_norm(pieces)).float()
+            sq.index_add_(0, torch.tensor(owners, dtype=torch.long, device=device), norms * norms)
         scale = ds_loss_scale(self.engine)
         if scale:
             sq = sq / (scale * scale)  # fp16: the partitions still carry the loss scale
         world = core.collective.world_size
-        loss_t = torch.tensor(float("nan")) if loss is None else (
-            loss.detach().float().reshape(()).cpu() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
+        loss_t = (loss.detach().float().reshape(1).to(device) if isinstance(loss, torch.Tensor)
+                  else torch.tensor([float("nan") if loss is None else float(loss)], device=device))
+        rest = torch.tensor([scale or 0.0, 1.0 if unreadable else 0.0], device=device)
         # every rank reduces, also one that could not read its partition (its flag makes all fall back)
-        packed = torch.cat([sq * world, loss_t.reshape(1), torch.tensor([scale or 0.0, 1.0 if unreadable else 0.0])])
+        packed = torch.cat([sq * world, loss_t, rest])
         if core.reduce is not None:
             packed = core.reduce(packed)  # mean over ranks: the disjoint pieces' squares summed, the loss averaged
         values = packed.tolist()  # the step's one host read
@@ -182,9 +185,9 @@ class DeepSpeedEngineHandle:
                           scale=None if scale is None else scale_f, overflow=bool(scale is not None and bad))
         return sig, pieces
 
-    def signals(self) -> Signals:
+    def signals(self) -> EngineReading:
         eng = self.engine
-        return Signals(total_norm=ds_global_norm(eng), scale=ds_loss_scale(eng), overflow=ds_overflow(eng))
+        return EngineReading(total_norm=ds_global_norm(eng), scale=ds_loss_scale(eng), overflow=ds_overflow(eng))
 
     def clip(self) -> float | None:
         return ds_clip(self.engine) or None
@@ -226,10 +229,9 @@ class DeepSpeedEngineHandle:
             self.set_clip(None if self.pre_step else core.clip.threshold(0.0))
         core.emit(self.describe())
 
-
     def release(self) -> None:
         """At close: the engine's own clip as the user configured it."""
-        if getattr(self, "_user_clip", None) is not None:
+        if self._user_clip is not None:
             ds_set_clip(self.engine, self._user_clip or None)
             self._user_clip = None
 
@@ -271,7 +273,6 @@ def run_engine_step(core: Any, handle: DeepSpeedEngineHandle, step_fn: Callable[
     core.engine_step_begin()
     out = step_fn()
     return core.engine_step_end(loss if not handle.pre_step else None), out
-
 
 
 def build_config(config: GuardConfig, engine: Any) -> GuardConfig:
