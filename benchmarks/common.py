@@ -396,7 +396,7 @@ class GradGuardArm(Arm):
                         events.append({"step": e["step"], "action": e.get("name", e["type"]), "params": params})
         return {"guard_actions": summary.get("actions", {}), "guard_findings": dict(findings),
                 "guard_skipped": summary.get("skipped", 0), "halted": self.halted, "events": events,
-                "transfers": self.guard.measurer.transfers}
+                "transfers": getattr(self.guard, "core", self.guard).measurer.transfers}
 
 
 ARMS = {

@@ -413,7 +413,7 @@ def run_plain(variant: str, size: str, steps: int, warm: int, device: str, out_d
         opt.zero_grad(set_to_none=True)
         clock.end(step)
     clock.stop()
-    out = _result(clock, guard)  # the plain Guard has the core's measurer and step count itself
+    out = _result(clock, guard.core if guard is not None else None)
     if guard is not None:
         guard.close()
     return out

@@ -102,7 +102,7 @@ class GuardVariant(Variant):
 
     def _close(self) -> None:
         s = self.guard.close()
-        self.extra["transfers_per_step"] = round(self.guard.measurer.transfers / max(1, s["steps"]), 3)
+        self.extra["transfers_per_step"] = round(self.guard.core.measurer.transfers / max(1, s["steps"]), 3)
         self.extra["skipped"] = s["skipped"]
         self.extra["actions"] = s["actions"]
         snaps = []
@@ -383,7 +383,7 @@ def markdown(doc: dict[str, Any]) -> str:
                        f"{', '.join(f'{k}={v}' for k, v in extra.items()) or '-'} |")
         out.append("")
     out.append("Host syncs: on the CPU, `transfers_per_step` counts the guard's own host-device transfers "
-               "(`guard.measurer.transfers`); the peers' counts are their `.item()`/float reads per step. On CUDA "
+               "(`guard.core.measurer.transfers`); the peers' counts are their `.item()`/float reads per step. On CUDA "
                "(`--device cuda`), `cuda_syncs_per_step` counts synchronizing calls flagged by "
                "`torch.cuda.set_sync_debug_mode('warn')` over one full step (forward, backward, monitor, optimizer).")
     return "\n".join(out) + "\n"

@@ -50,6 +50,7 @@ RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 sys.path.insert(0, ROOT)
 
 import gradguard as gg  # noqa: E402
+from gradguard.deepspeed import DeepSpeedGuard  # noqa: E402
 
 ARMS = ("unguarded", "no_clip", "guard", "guard_snap", "guard_sync")
 
@@ -119,7 +120,7 @@ def run_arm(arm: str, model: nn.Module, opt: torch.optim.Optimizer, guard: Any, 
         if arm == "guard_sync":
             from gradguard.oom import EveryRank
 
-            ranks = EveryRank(guard.oom, model, guard.collective)
+            ranks = EveryRank(guard.oom, model, guard.core.collective)
             ranks.open_step()
         loss = nn.functional.cross_entropy(model(x), y)
         if type(model).__name__ == "DeepSpeedEngine":  # the engine backwards, clips and steps itself
@@ -190,7 +191,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
         for arm in names:  # one model, optimizer and guard per arm (same initial weights and data)
             if strategy == "deepspeed":
                 model = build_deepspeed(arm, args, device)
-                guard = None if arm in ("unguarded", "no_clip") else gg.Guard(model, config=gg.GuardConfig.preset(
+                guard = None if arm in ("unguarded", "no_clip") else DeepSpeedGuard(model, config=gg.GuardConfig.preset(
                     "default", output=quiet, recovery={"snapshot_interval": 1 if arm == "guard_snap" else 0}))
                 opt = model.optimizer
                 arms[arm] = (model, opt, guard)
@@ -222,8 +223,8 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
             for arm in ratios:
                 ratios[arm].append(med[arm] / med["unguarded"])
         snap_guard = arms["guard_snap"][2]
-        ring = snap_guard.snapshots
-        n_packed = len(snap_guard.layers) + 3  # per-layer squares, loss, scale, flag
+        ring = snap_guard.core.snapshots
+        n_packed = len(snap_guard.core.layers) + 3  # per-layer squares, loss, scale, flag
         results[strategy] = {
             "median_step_s": {a: statistics.median(v) for a, v in per_arm.items()},
             "ratio_vs_unguarded": {a: statistics.median(v) for a, v in ratios.items()},
@@ -234,7 +235,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
             "snapshot_s_per_rank": ring.total_seconds / max(1, ring.taken),
             "snapshot_bytes_per_rank": ring.last_nbytes,
             "params": sum(p.numel() for p in MLP(args.width, args.depth).parameters()),
-            "layers": len(snap_guard.layers),
+            "layers": len(snap_guard.core.layers),
         }
         for _, _, g in arms.values():
             if g is not None:

@@ -5,6 +5,7 @@ Per-layer gradient norms, the loss and the loss scale are watched every step; a 
 """
 
 from .config import GuardConfig
+from .core import StepReport
 from .detect import Finding
 from .errors import (
     ConfigError,
@@ -14,14 +15,14 @@ from .errors import (
     StateError,
     UnsupportedSetupError,
 )
-from .guard import Guard, GuardCore, StepReport
+from .guard import Guard
 from .policy import Action
 from .sinks import ConsoleSink, JSONLSink, M, MemorySink, Sink, TensorBoardSink, WandbSink
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Guard", "GuardCore", "GuardConfig", "GradGuardError", "ConfigError", "UnsupportedSetupError", "StateError",
+    "Guard", "GuardConfig", "GradGuardError", "ConfigError", "UnsupportedSetupError", "StateError",
     "GradGuardHalt", "GradGuardWarning", "StepReport", "Finding",
     "Action", "Sink", "JSONLSink", "ConsoleSink", "MemorySink", "TensorBoardSink", "WandbSink", "M",
     "__version__",

@@ -105,7 +105,7 @@ ENGINE_REFUSALS: dict[str, tuple[str, str]] = {
                   "its engine, and gradguard reads that engine's signals (global norm, loss scale, overflow) only where "
                   "it is tested: ZeRO 1/2 from deepspeed.initialize in a plain loop and under the HF Trainer. "
                   "Lightning's DeepSpeedStrategy runs only on CUDA GPUs, where it has not been tested",
-                  "pass the engine to gradguard.Guard(engine) in a plain loop, or use the HF Trainer with "
+                  "pass the engine to gradguard.deepspeed.DeepSpeedGuard(engine) in a plain loop, or use the HF Trainer with "
                   "TrainingArguments(deepspeed=...) and ZeRO stage 1 or 2; or shard with FSDP2 "
                   "(Lightning's ModelParallelStrategy, or torch.distributed.fsdp.fully_shard in a plain loop); "
                   "or remove gradguard"),
@@ -129,10 +129,8 @@ def sharding_problems(model: Any) -> dict[str, str]:
     :func:`refuse_unsupported` takes them; every adapter adds these to its own."""
     from ._shard import unsupported_sharding
 
-    if is_deepspeed_engine(model):
-        from .deepspeed import problems
-
-        return problems(model)
+    if is_deepspeed_engine(model):  # guarded by its own entry points (gradguard.deepspeed), which check it
+        return engine_refusal("deepspeed", f"model={type(model).__name__}")
     return unsupported_sharding(model)
 
 

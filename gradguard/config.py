@@ -277,10 +277,12 @@ class LRConfig:
     """Each 'lower_lr' action multiplies the global LR multiplier (the level that failed) by this."""
 
     early_down_factor: float = 0.03
-    """'lower_lr' factor for an instability before the loss baseline exists (the first
-    ``detect.warmup_steps`` healthy steps): a blow-up from the start means the LR is grossly too
-    high; the rollback to the initial weights makes a deep cut cheap and recovery raises the LR
-    again if the cut was too deep."""
+    """'lower_lr' factor for an instability before the run learned anything (in the first
+    ``detect.warmup_steps`` healthy steps with the loss never 10% below its first value, or a norm
+    takeover since the first steps): a blow-up from the start means the LR is grossly too high;
+    the rollback to the initial weights makes a deep cut cheap and recovery raises the LR again if
+    the cut was too deep. A blow-up after progress (a warm-up ramp overshooting) gets
+    ``down_factor``."""
 
     recover_ceiling: float = 0.5
     """Recovery never raises a multiplier above this fraction of the level that failed (until the

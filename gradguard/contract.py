@@ -1,6 +1,6 @@
 """The engine contract: what a training engine provides so that gradguard can guard it.
 
-gradguard's behaviour lives in :class:`gradguard.guard.GuardCore` and the core modules beside it
+gradguard's behaviour lives in :class:`gradguard.core.GuardCore` and the core modules beside it
 (measurement, detection, policy, actuators, snapshots, checkpoint tier, rollback, halting). An
 *engine adapter* (the plain loop :class:`gradguard.Guard`, ``gradguard.hf.GradGuardCallback``,
 ``gradguard.lightning.GradGuardCallback``) only
@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Event", "LoaderHandle", "DataSkip", "CheckpointEntry", "CheckpointSource", "Collective", "TorchCollective",
+__all__ = ["Event", "LoaderHandle", "DataSkip", "CheckpointSource", "Collective", "TorchCollective",
            "LocalCollective", "collective", "SteppingEngine", "EngineSignals"]
 
 
@@ -61,9 +61,9 @@ class Event(enum.Enum):
         at BEFORE_OPTIMIZER_STEP, skipping through its own mechanism; where it cannot (an offloaded
         optimizer) it replaces the two step events by:
 
-                ENGINE_STEP_START      # core.engine_step_begin(): first snapshot, LR multiplier on
+                ENGINE_STEP_START      # gradguard.deepspeed.engine_step_begin: first snapshot, LR multiplier on
                 engine.step()          # the engine clips (to the guard's threshold) and steps
-                ENGINE_STEP_END        # core.engine_step_end(): the engine's norm, loss scale and
+                ENGINE_STEP_END        # gradguard.deepspeed.engine_step_end: the engine's norm, loss scale and
                                        # overflow flag, one reduction, detect, decide; a skip the
                                        # engine did not make itself becomes a rollback
 
@@ -128,13 +128,6 @@ class LoaderHandle(Protocol):
 #: after a rollback; makes the data of the next ``action.params["batches"]`` optimizer steps not
 #: computed (or its gradients dropped) and returns a dict saying how.
 DataSkip = Callable[[Any], dict[str, Any]]
-
-
-class CheckpointEntry(Protocol):
-    """One checkpoint of the engine, as the trust tier tracks it (see :class:`gradguard.recovery.CheckpointTier`)."""
-
-    step: int
-    path: str
 
 
 @runtime_checkable

@@ -6,7 +6,7 @@ gradients, computes the global norm, clips and steps inside ``engine.backward``/
 Plain loop::
 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
-    guard = gradguard.Guard(engine)
+    guard = gradguard.deepspeed.DeepSpeedGuard(engine)
     for batch in loader:
         loss = engine(batch)
         engine.backward(loss)
@@ -61,7 +61,9 @@ from ._compat import (
     ds_zero_optimizer,
     is_deepspeed_engine,
 )
+from .adapter import check_ladder, resolve_clip
 from .config import GuardConfig
+from .core import GuardCore, finish_halt
 from .detect import Signals as StepSignals
 from .errors import UnsupportedSetupError, is_rank0, warn_once
 
@@ -124,7 +126,7 @@ class DeepSpeedEngineHandle:
     guard reads this process's partition of the reduced gradients before the engine's step, so it
     measures per-layer norms (each rank its disjoint pieces, summed by the step's one reduction),
     clips them in place and skips a step through DeepSpeed's own overflow path. Otherwise the
-    guard reads the engine's signals after its step (:func:`gradguard.guard.GuardCore.engine_step_end`)."""
+    guard reads the engine's signals after its step (:func:`engine_step_end`)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -244,7 +246,7 @@ def run_engine_step(core: Any, handle: DeepSpeedEngineHandle, step_fn: Callable[
     ``core.after_step(report)``."""
     if handle.pre_step:
         core.first_snapshot()
-        loss_v = core._take_loss(loss)
+        loss_v = core.take_loss(loss)
         measured = handle.measure(core, loss_v)
         if measured is not None:
             sig, pieces = measured
@@ -270,35 +272,62 @@ def run_engine_step(core: Any, handle: DeepSpeedEngineHandle, step_fn: Callable[
                   "the guard reads the engine's norm after its step instead (no per-layer norms, no skip)")
         if loss_v is not None:
             core.observe_loss(loss_v)
-    core.engine_step_begin()
+    engine_step_begin(core)
     out = step_fn()
-    return core.engine_step_end(loss if not handle.pre_step else None), out
+    return engine_step_end(core, handle, loss if not handle.pre_step else None), out
+
+
+def engine_step_begin(core: Any) -> None:
+    """ENGINE_STEP_START: before the engine runs its optimizer step (the offloaded path): the first
+    snapshot (the weights before any update) and the LR multiplier put on the optimizer's groups."""
+    core.first_snapshot()
+    if core.config.policy.act:
+        core.lr.engine_begin()
+
+
+def engine_step_end(core: Any, handle: DeepSpeedEngineHandle, loss: Any = None) -> Any:
+    """ENGINE_STEP_END: after the engine stepped. Reads its global norm, loss scale and overflow
+    flag, combines them and the loss over processes (one reduction), then ``core.decide``; the
+    engine's next step clips to the guard's threshold. A skip the engine did not make itself
+    becomes a rollback to the last healthy snapshot. Then call ``core.after_step`` as usual."""
+    core.lr.engine_end()
+    loss_v = core.take_loss(loss)
+    got = handle.signals()
+    norm = got.total_norm if got.total_norm is not None else float("nan")
+    values = [float("nan") if loss_v is None else loss_v, norm, got.scale or 0.0, 1.0 if got.overflow else 0.0]
+    packed = torch.stack([v.detach().float().reshape(()).cpu() if isinstance(v, torch.Tensor)
+                          else torch.tensor(float(v)) for v in values])
+    if core.reduce is not None:
+        packed = core.reduce(packed)
+    loss_f, norm_f, scale_f, overflow_f = packed.tolist()  # the step's one host read
+    sig = StepSignals(step=core.step_count + 1, loss=None if loss_v is None else loss_f, total_norm=norm_f,
+                      layer_norms={}, nonfinite_layers=[], scale=None if got.scale is None else scale_f,
+                      overflow=overflow_f > 0)
+    return core.decide(sig, [], engine_skipped=overflow_f > 0)
 
 
 def build_config(config: GuardConfig, engine: Any) -> GuardConfig:
     """The config a DeepSpeed run is guarded with: the engine's ``gradient_clipping`` becomes the
     starting ``clip.max_norm`` (the one clip rule of :func:`gradguard.adapter.resolve_clip`)."""
-    from .adapter import check_ladder, resolve_clip
-
     config, _ = resolve_clip(config, ds_clip(engine) or None, engine_default=0.0, setting="gradient_clipping")
     check_ladder(config)
     return config
 
 
-from .guard import Guard, GuardCore  # noqa: E402  (gradguard.guard imports this module lazily)
-
-
-class DeepSpeedGuard(Guard):
-    """:class:`gradguard.Guard` over a ``DeepSpeedEngine``: ``gradguard.Guard(engine)`` builds one.
+class DeepSpeedGuard:
+    """gradguard over a ``DeepSpeedEngine`` (ZeRO 1/2): ``gradguard.deepspeed.DeepSpeedGuard(engine)``.
 
     Call ``guard.step(loss)`` in place of ``engine.step()`` after every micro-batch's
-    ``engine.backward(loss)``; it returns the step's :class:`StepReport` on an accumulation
-    boundary and None between. ``optimizer`` and ``scheduler`` default to the engine's."""
+    ``engine.backward(loss)``; it returns the step's :class:`gradguard.core.StepReport` on an
+    accumulation boundary and None between. ``optimizer`` and ``scheduler`` default to the
+    engine's. Like :class:`gradguard.Guard`, it composes a :class:`gradguard.core.GuardCore`."""
 
-    def __init__(self, model: Any, optimizer: Any = None, *, scheduler: Any = None, scaler: Any = None,
+    def __init__(self, engine: Any, optimizer: Any = None, *, scheduler: Any = None, scaler: Any = None,
                  config: GuardConfig | None = None, sinks: list[Any] | None = None, out_dir: str | None = None,
                  layer_fn: Callable[[str], str] | None = None, batches: Any = None) -> None:
-        engine = model
+        if not is_deepspeed_engine(engine):
+            raise UnsupportedSetupError(f"gradguard: engine={type(engine).__name__} is not a DeepSpeedEngine. "
+                                        "Fix: pass what deepspeed.initialize returned, or use gradguard.Guard")
         found = problems(engine)
         if found:
             setting, why = next(iter(found.items()))
@@ -311,33 +340,66 @@ class DeepSpeedGuard(Guard):
             config = dataclasses.replace(config, output=dataclasses.replace(config.output, jsonl=False, console=False))
         self.engine = engine
         self.handle = DeepSpeedEngineHandle(engine)
-        GuardCore.__init__(self, engine.module, optimizer if optimizer is not None else engine.optimizer,
-                           config=config, sinks=sinks, out_dir=out_dir, layer_fn=layer_fn,
-                           scheduler=scheduler if scheduler is not None else engine.lr_scheduler,
-                           stepping=self.handle)
-        self.user_optimizer = engine.optimizer
-        self.scaler = None
-        self._step_scheduler = False  # the engine steps its scheduler
+        self.core = GuardCore(engine.module, optimizer if optimizer is not None else engine.optimizer,
+                              config=config, sinks=sinks, out_dir=out_dir, layer_fn=layer_fn,
+                              scheduler=scheduler if scheduler is not None else engine.lr_scheduler,
+                              stepping=self.handle)
+        self.config = self.core.config
         self.batches = batches
         self.halted: dict[str, Any] | None = None
-        self.handle.attach(self)
+        self.handle.attach(self.core)
         if batches is not None:
-            self.attach_data_skip(self._skip_data)
+            self.core.attach_data_skip(self._skip_data)
+
+    @property
+    def log_path(self) -> str | None:
+        return self.core.log_path
+
+    def _skip_data(self, a: Any) -> dict[str, Any]:
+        preceding = [list(b) for b in self.batches.recent]
+        return {"skipped_indices": self.batches.skip(int(a.params.get("batches", 0))), "preceding_indices": preceding}
+
+    def observe_loss(self, loss: torch.Tensor | float) -> None:
+        self.core.observe_loss(loss)
 
     def accumulate(self, batch: Any, loss_fn: Callable[[Any], torch.Tensor]) -> float:
         raise UnsupportedSetupError("gradguard: Guard.accumulate with a DeepSpeed engine: DeepSpeed accumulates "
                                     "itself (gradient_accumulation_steps). Fix: call engine.backward(loss) and "
                                     "guard.step(loss) on every micro-batch")
 
-    def step(self, loss: torch.Tensor | float | None = None) -> Any:  # type: ignore[override]
-        eng = self.engine
+    def step(self, loss: torch.Tensor | float | None = None) -> Any:
+        eng, core = self.engine, self.core
         if not eng.is_gradient_accumulation_boundary():
             if loss is not None:
-                self.observe_loss(loss)
+                core.observe_loss(loss)
             eng.step()
             return None
-        if loss is not None and self._loss_n:
-            self.observe_loss(loss)  # the boundary's micro-batch joins the accumulated ones
+        if loss is not None and core.has_loss:
+            core.observe_loss(loss)  # the boundary's micro-batch joins the accumulated ones
             loss = None
-        report, _ = run_engine_step(self, self.handle, eng.step, loss)
-        return self._finish(report)
+        report, _ = run_engine_step(core, self.handle, eng.step, loss)
+        core.after_step(report)
+        if report.halt:
+            self.halted = report.diagnosis or {}
+            finish_halt(core, self.halted)
+        return report
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.core.state_dict()
+        if self.batches is not None:
+            state["batches"] = self.batches.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.core.load_state_dict(state)
+        if self.batches is not None and "batches" in state:
+            self.batches.load_state_dict(state["batches"])
+
+    def close(self) -> dict[str, Any]:
+        return self.core.close()
+
+    def __enter__(self) -> DeepSpeedGuard:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -170,18 +170,53 @@ class LossSpikeDetector:
         self.seen = 0
         self.early_flags = 0  # consecutive warm-up spikes
         self.min_loss: float | None = None  # lowest healthy loss (reported in the diagnosis)
+        self.first: float | None = None  # the run's first finite loss (the progress reference)
         self.held: float | None = None  # a jump over the only earlier loss, judged with the next one
         self.streak: list[float] = []  # the losses of the current run of warm-up flags
         self.recent: list[float] = []  # the last RECENT healthy losses (the warm-up reference)
+        #: this step's lesson (values for the baseline), applied by :meth:`commit` only
+        self._pending: list[tuple[float, bool]] = []
+        self._pending_recent = True
+
+    def commit(self) -> None:
+        """The step taught (see ``gradguard.core.teaches``): its losses join the baseline."""
+        for v, spike in self._pending:
+            self.base.update(v, spike=spike)
+            if spike:
+                continue
+            self.healthy += 1
+            self.min_loss = v if self.min_loss is None else min(self.min_loss, v)
+            if self._pending_recent:  # a run of flags keeps the reference: it stays up, it is flagged again
+                self.recent = [*self.recent, v][-RECENT:]
+        self.discard()
+
+    def discard(self) -> None:
+        """The step teaches nothing: its staged lesson is dropped."""
+        self._pending, self._pending_recent = [], True
+
+    def restart(self) -> None:
+        """After a rollback: the judgement in progress (a held jump, a run of warm-up flags) starts over."""
+        self.held, self.streak, self.early_flags = None, [], 0
+        self.discard()
+
+    def progressed(self, fraction: float = 0.1) -> bool:
+        """The run has learned something: its lowest healthy loss is at least ``fraction`` below
+        its first loss. A blow-up in a run that never progressed says the LR is grossly too high;
+        one after progress (a warm-up ramp overshooting) calls for an ordinary cut."""
+        return (self.first is not None and self.min_loss is not None and self.first > 0
+                and self.min_loss < (1 - fraction) * self.first)
 
     def _armed(self) -> bool:
         cfg = self.cfg
         return self.base.mean is not None and (self.healthy >= cfg.warmup_steps or self.seen >= 3 * cfg.warmup_steps)
 
     def observe(self, s: Signals) -> list[Finding]:
+        self.commit()  # used on its own (no core settling each step), every observed step teaches
         x = s.loss
         if x is None or not math.isfinite(x) or s.overflow:
             return []  # an fp16 overflow step's loss is the scaler's business (the scale detectors)
+        if self.first is None:
+            self.first = x
         cfg = self.cfg
         self.seen += 1
         finding = None
@@ -192,7 +227,7 @@ class LossSpikeDetector:
                 sev = CRITICAL if x > 2 * thr else WARNING
                 finding = Finding("loss_spike", sev, s.step, value=x, threshold=thr, baseline=base.mean,
                                   message=f"loss {x:.4g} > {thr:.4g} (baseline {base.mean:.4g})")
-                base.update(thr, spike=True)
+                self._pending = [(thr, True)]  # clipped to the threshold: moves the mean only
         elif base.mean is not None and base.prev is not None:
             # the reference is the highest of the last few healthy losses: a falling loss keeps it
             # close to the current level, a noisy one (small batches, heavy-tailed losses) keeps its
@@ -227,22 +262,20 @@ class LossSpikeDetector:
             # reference: these join the baseline first. A run ended by a normal loss was a spike: dropped.
             lucky_low = self.early_flags >= 3
             joining = ([self.held] if self.held is not None else []) + (self.streak if lucky_low else [])
+            # (the detector withdrew its verdict on them). They join only if this step teaches.
             self.early_flags, self.held, self.streak = 0, None, []
-            for v in [*joining, x]:
-                base.update(v)
-                self.healthy += 1
-                self.min_loss = v if self.min_loss is None else min(self.min_loss, v)
-                if not lucky_low:  # a run of flags keeps the reference: it stays up, it is flagged again
-                    self.recent = [*self.recent, v][-RECENT:]
+            self._pending = [(v, False) for v in [*joining, x]]
+            self._pending_recent = not lucky_low
             return []
         return [finding]
 
     def state_dict(self) -> dict[str, Any]:
         return {"base": self.base.state_dict(), "healthy": self.healthy, "min_loss": self.min_loss,
                 "seen": self.seen, "early_flags": self.early_flags, "held": self.held, "streak": list(self.streak),
-                "recent": list(self.recent)}
+                "recent": list(self.recent), "first": self.first}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.discard()
         self.base.load_state_dict(state["base"])
         self.healthy, self.min_loss = state["healthy"], state["min_loss"]
         self.seen = int(state.get("seen", self.healthy))
@@ -251,6 +284,8 @@ class LossSpikeDetector:
         self.held = None if held is None else float(held)
         self.streak = [float(v) for v in state.get("streak", [])]
         self.recent = [float(v) for v in state.get("recent", [])][-RECENT:]
+        first = state.get("first")
+        self.first = None if first is None else float(first)
 
 
 class GradSpikeDetector:
@@ -260,6 +295,18 @@ class GradSpikeDetector:
         self.cfg = cfg
         self.total = RobustBaseline(cfg.ema_alpha, cfg.min_rel_spread)
         self.layers: dict[str, RobustBaseline] = {}
+        #: this step's lesson: (baseline, value, spike), applied by :meth:`commit` only
+        self._pending: list[tuple[RobustBaseline, float, bool]] = []
+
+    def commit(self) -> None:
+        """The step taught: its norms join the total and per-layer baselines."""
+        for b, v, spike in self._pending:
+            b.update(v, spike=spike)
+        self._pending = []
+
+    def discard(self) -> None:
+        """The step teaches nothing."""
+        self._pending = []
 
     def moved_most(self, layer_norms: dict[str, float], k: int = 3) -> list[str]:
         """The ``k`` layers whose norm is the most times its own baseline (above 1x), largest first."""
@@ -281,12 +328,14 @@ class GradSpikeDetector:
         return norm / self.total.mean
 
     def observe(self, s: Signals) -> list[Finding]:
+        self.commit()  # used on its own (no core settling each step), every observed step teaches
         cfg = self.cfg
         out: list[Finding] = []
         if not math.isfinite(s.total_norm):
             return out
         armed = self.total.count >= cfg.warmup_steps and self.total.mean is not None
         culprits: list[str] = []
+        pending = self._pending = []
         for name, v in s.layer_norms.items():
             b = self.layers.get(name)
             if b is None:
@@ -295,9 +344,9 @@ class GradSpikeDetector:
                 thr = b.threshold(cfg.layer_grad_sigma, cfg.layer_grad_ratio)
                 if v > thr:
                     culprits.append(name)
-                    b.update(thr, spike=True)
+                    pending.append((b, thr, True))
                     continue
-            b.update(v)
+            pending.append((b, v, False))
         if armed:
             thr = self.total.threshold(cfg.grad_sigma, cfg.grad_ratio)
             if s.total_norm > thr:
@@ -306,12 +355,12 @@ class GradSpikeDetector:
                                    baseline=self.total.mean, layers=culprits,
                                    message=f"grad norm {s.total_norm:.4g} > {thr:.4g} "
                                            f"(baseline {self.total.mean:.4g})"))
-                self.total.update(thr, spike=True)
+                pending.append((self.total, thr, True))
                 return out
         if culprits:
             out.append(Finding("layer_grad_spike", INFO, s.step, layers=culprits,
                                message="layer grad-norm spike in " + ", ".join(culprits[:5])))
-        self.total.update(s.total_norm)
+        pending.append((self.total, s.total_norm, False))
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -319,6 +368,7 @@ class GradSpikeDetector:
                 "layers": {k: b.state_dict() for k, b in self.layers.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.discard()
         self.total.load_state_dict(state["total"])
         self.layers = {}
         for k, v in state["layers"].items():
@@ -333,23 +383,49 @@ class LossScaleDetector:
         self.cfg = cfg
         self.streak = 0
         self.window: deque[int] = deque(maxlen=cfg.overflow_window)
+        self._pending: bool = False  # a clean step's entry, applied by commit only
+
+    def commit(self) -> None:
+        """The step taught: a clean step ends the overflow streak and enters the rate window."""
+        if self._pending:
+            self.streak = 0
+            self.window.append(0)
+        self._pending = False
+
+    def discard(self) -> None:
+        """The step teaches nothing (a clean step that was skipped, rolled back or blamed on data)."""
+        self._pending = False
+
+    def restart(self) -> None:
+        """After a rollback: the restored scale starts a fresh streak and window."""
+        self.streak = 0
+        self.window.clear()
+        self._pending = False
 
     def observe(self, s: Signals) -> list[Finding]:
+        self.commit()  # used on its own (no core settling each step), every observed step teaches
         if s.scale is None:
             return []
         cfg = self.cfg
         out = []
-        self.streak = self.streak + 1 if s.overflow else 0
-        self.window.append(int(s.overflow))
-        if self.streak >= cfg.overflow_streak:
-            out.append(Finding("overflow_streak", WARNING, s.step, value=self.streak,
+        # an overflow is this detector's event, counted at once (its streak and rate are the signal,
+        # no baseline learns from it); a clean step enters only if it teaches (commit)
+        if s.overflow:
+            self.streak += 1
+            self.window.append(1)
+        else:
+            self._pending = True
+        streak = self.streak if s.overflow else 0
+        window = list(self.window) if s.overflow else [*self.window, 0][-cfg.overflow_window:]
+        if streak >= cfg.overflow_streak:
+            out.append(Finding("overflow_streak", WARNING, s.step, value=streak,
                                threshold=cfg.overflow_streak, layers=list(s.nonfinite_layers),
-                               message=f"{self.streak} consecutive fp16 overflows"))
-        if len(self.window) == self.window.maxlen:
-            rate = sum(self.window) / len(self.window)
+                               message=f"{streak} consecutive fp16 overflows"))
+        if len(window) == self.window.maxlen:
+            rate = sum(window) / len(window)
             if rate > cfg.overflow_rate:
                 out.append(Finding("overflow_rate", WARNING, s.step, value=rate, threshold=cfg.overflow_rate,
-                                   message=f"overflow rate {rate:.0%} over {len(self.window)} steps"))
+                                   message=f"overflow rate {rate:.0%} over {len(window)} steps"))
         if s.scale < cfg.scale_floor:
             out.append(Finding("scale_collapse", CRITICAL, s.step, value=s.scale, threshold=cfg.scale_floor,
                                layers=list(s.nonfinite_layers),
@@ -360,6 +436,7 @@ class LossScaleDetector:
         return {"streak": self.streak, "window": list(self.window)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.discard()
         self.streak = state["streak"]
         self.window = deque(state["window"], maxlen=self.cfg.overflow_window)
 
@@ -397,6 +474,9 @@ class NormTakeoverDetector:
         self.body: list[str] = []
         self.onset: int | None = None  # first step of the current run of high medians
         self.findings = 0
+        #: this step's share and onset, entered into the window by :meth:`commit` only
+        self._pending: tuple[float, int | None] | None = None
+        self._suspect = False
 
     def set_layers(self, layer_names: list[str], norm_layers: list[str]) -> None:
         """``norm_layers``: the layers made only of normalization parameters (the engine knows the
@@ -408,37 +488,55 @@ class NormTakeoverDetector:
     def _share(self, s: Signals, names: list[str]) -> float:
         return sum(s.layer_norms.get(n, 0.0) ** 2 for n in names) / s.total_norm ** 2
 
+    def _high(self, window: list[float] | deque[float]) -> bool:
+        cfg = self.cfg
+        return (cfg.takeover_share < 1 and len(window) >= max(1, cfg.takeover_window // 2)
+                and statistics.median(window) > cfg.takeover_share)
+
     @property
     def suspect(self) -> bool:
-        """At least half a window seen and its median above the share."""
-        cfg = self.cfg
-        return (cfg.takeover_share < 1 and len(self.window) >= max(1, cfg.takeover_window // 2)
-                and statistics.median(self.window) > cfg.takeover_share)
+        """At least half a window seen and its median above the share (this step's share included
+        once observed, before the step is settled)."""
+        return self._suspect or self._high(self.window)
+
+    def commit(self) -> None:
+        """The step taught: its share enters the window."""
+        if self._pending is not None:
+            self.window.append(self._pending[0])
+            self.onset = self._pending[1]
+        self._pending, self._suspect = None, False
+
+    def discard(self) -> None:
+        """The step teaches nothing: the window stays as it was."""
+        self._pending, self._suspect = None, False
 
     def observe(self, s: Signals) -> list[Finding]:
         cfg = self.cfg
+        self.commit()  # used on its own (no core settling each step), every observed step teaches
         if (cfg.takeover_share >= 1 or not self.norm_layers or s.overflow or s.nonfinite_layers
                 or not (s.total_norm > 0 and math.isfinite(s.total_norm))):
             return []
-        self.window.append(self._share(s, self.norm_layers))
-        if not self.suspect:
-            self.onset = None
+        share = self._share(s, self.norm_layers)
+        window = [*self.window, share][-self.window.maxlen:]  # type: ignore[misc]
+        self._suspect = self._high(window)
+        if not self._suspect:
+            self._pending = (share, None)
             return []
-        if self.onset is None:
-            self.onset = s.step
-        if len(self.window) < self.window.maxlen:  # type: ignore[operator]
+        onset = self.onset if self.onset is not None else s.step
+        if len(window) < self.window.maxlen:  # type: ignore[operator]
+            self._pending = (share, onset)
             return []
-        med = statistics.median(self.window)
-        onset = self.onset
-        self.window.clear()
+        med = statistics.median(window)
+        self.window.clear()  # reported once per window: the window starts over whatever the step's verdict
         self.onset = None
         self.findings += 1
         takers = sorted(self.norm_layers, key=lambda n: -s.layer_norms.get(n, 0.0))
         body = (f"; the {len(self.body)} numbered blocks get {self._share(s, self.body):.1%}" if self.body else "")
         return [Finding(NORM_TAKEOVER, WARNING, s.step, value=med, threshold=cfg.takeover_share, baseline=onset,
                         layers=takers,
-                        message=f"{', '.join(takers)} take {med:.0%} of the gradient (median of "
-                                f"{cfg.takeover_window} steps since step {onset}; healthy runs < 2%){body}: the model "
+                        message=f"{', '.join(takers)} take {med:.0%} of the gradient (median of the last "
+                                f"{len(window)} steps, above {cfg.takeover_share:.0%} since step {onset}; healthy "
+                                f"runs < 2%){body}: the model "
                                 "mostly rescales its output instead of learning features, typical of a learning "
                                 "rate too high for the model, hidden by clipping")]
 
@@ -446,11 +544,13 @@ class NormTakeoverDetector:
         """Start over (after a rollback: the restored weights get a fresh window)."""
         self.window.clear()
         self.onset = None
+        self.discard()
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": list(self.window), "onset": self.onset, "findings": self.findings}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.discard()
         self.window = deque((float(v) for v in state["window"]), maxlen=max(1, self.cfg.takeover_window))
         self.onset = state["onset"]
         self.findings = int(state["findings"])
@@ -471,8 +571,10 @@ class Detectors:
                 "takeover": self.takeover}
 
     def observe(self, s: Signals) -> list[Finding]:
+        """Judge one step against what the detectors learned so far. What the step would teach is
+        only staged: :meth:`settle` applies or drops it once the step's fate is known."""
         out: list[Finding] = []
-        moved = self.grad.moved_most(s.layer_norms)  # before the grad detector updates its baselines
+        moved = self.grad.moved_most(s.layer_norms)  # against the baselines before this step
         for det in self._all().values():
             found = det.observe(s)
             for f in found:
@@ -480,6 +582,26 @@ class Detectors:
                     f.moved_layers = moved
             out.extend(found)
         return out
+
+    def settle(self, teach: bool) -> None:
+        """Apply (``teach``) or drop every detector's staged lesson of the step just observed. The
+        core calls this once per step with the verdict of ``gradguard.core.teaches``."""
+        for det in self._learners():
+            if teach:
+                det.commit()
+            else:
+                det.discard()
+
+    def restart(self) -> None:
+        """After a rollback: windows and judgements in progress start over on the restored weights
+        (the baselines are those restored with the snapshot)."""
+        self.loss.restart()
+        self.grad.discard()
+        self.scale.restart()
+        self.takeover.reset()
+
+    def _learners(self) -> list[Any]:
+        return [self.loss, self.grad, self.scale, self.takeover]
 
     def state_dict(self) -> dict[str, Any]:
         return {k: d.state_dict() for k, d in self._all().items()}

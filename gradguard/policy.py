@@ -67,6 +67,30 @@ class Policy:
         healthy snapshot, so a spike now is blamed on the data (the step is skipped, no escalation)."""
         cfg = self.cfg
         d = Decision()
+        kinds = self._verdict(s, findings, d, weights_verified)
+        self._skip_step(s, kinds, grad_ratio, d)
+        d.unstable = self._unstable(s, findings, kinds)
+        d.suspect = "loss_spike" in {f.kind for f in findings} and not d.unstable
+        if not cfg.act:
+            d.skip, d.skip_reason = False, ""
+            return d
+        self.skip_streak = self.skip_streak + 1 if d.skip else 0
+        if self.skip_streak >= cfg.max_skip_streak:
+            d.halt = True
+            d.actions.append(Action("halt", s.step, f"{self.skip_streak} consecutive skipped steps"))
+            return d
+        if d.unstable:
+            self._escalate(s, findings, d)
+        elif not d.skip:
+            self.healthy += 1
+            if self.level > 0 and self.healthy >= cfg.escalation_window:
+                self.level -= 1
+                self.healthy = 0
+        return d
+
+    def _verdict(self, s: Signals, findings: list[Finding], d: Decision, weights_verified: bool) -> set[str]:
+        """The findings that count: none on verified weights (the data is bad), an isolated loss
+        spike handled by a skip (a second one soon after escalates)."""
         kinds = {f.kind for f in findings}
         spike = "loss_spike" in kinds
         if weights_verified and (spike or (REPEAT_KINDS | INSTABILITY_KINDS) & kinds):
@@ -74,68 +98,58 @@ class Policy:
             kinds -= REPEAT_KINDS | INSTABILITY_KINDS
             d.data_verdict = True
             d.skip, d.skip_reason = True, "spike on verified weights: bad data"
-        elif spike and (self.last_spike is None or s.step - self.last_spike > cfg.spike_confirm_window):
+        elif spike and (self.last_spike is None or s.step - self.last_spike > self.cfg.spike_confirm_window):
             # an isolated spike may be one bad batch: skip it; a second one soon after escalates
             kinds.discard("loss_spike")
             self.last_spike = s.step
             d.skip, d.skip_reason = True, "loss spike (skipped; escalates if it repeats)"
         elif spike:
             self.last_spike = s.step
-        # 1. this step: skip?
-        if ({"nonfinite_loss", "nonfinite_grad"} & kinds) and cfg.skip_nonfinite:
+        return kinds
+
+    def _skip_step(self, s: Signals, kinds: set[str], grad_ratio: float, d: Decision) -> None:
+        if ({"nonfinite_loss", "nonfinite_grad"} & kinds) and self.cfg.skip_nonfinite:
             d.skip, d.skip_reason = True, "non-finite " + ("loss" if "nonfinite_loss" in kinds else "gradients")
         elif s.overflow:
             d.skip, d.skip_reason = True, f"fp16 overflow (scale {s.scale:g})"
-        elif grad_ratio > cfg.skip_grad_ratio:
+        elif grad_ratio > self.cfg.skip_grad_ratio:
             d.skip, d.skip_reason = True, f"grad norm {grad_ratio:.0f}x its baseline"
-        # 2. instability: escalate one rung unless cooling down
+
+    def _unstable(self, s: Signals, findings: list[Finding], kinds: set[str]) -> bool:
+        """An instability finding, or handled-step-by-step findings that repeat (a grad spike only
+        when critical: 10x its threshold; moderate ones are routine with small batches)."""
         self._trim(self.repeats, s.step)
         self._trim(self.escalations, s.step)
         unstable = bool(INSTABILITY_KINDS & kinds)
-        # a grad-norm spike is clipped away; only a severe one (10x its threshold) counts towards
-        # escalation: moderate ones are routine with small batches and heavy-tailed gradients
         severe_grad = "grad_spike" in kinds and any(f.kind == "grad_spike" and f.severity == "critical"
                                                     for f in findings)
         if ({"nonfinite_loss", "nonfinite_grad"} & kinds) or severe_grad:
             self.repeats.append(s.step)
-            if len(self.repeats) >= cfg.repeats_to_escalate:
+            if len(self.repeats) >= self.cfg.repeats_to_escalate:
                 unstable = True
                 self.repeats.clear()
-        d.unstable = unstable
-        d.suspect = spike and not unstable
-        if not cfg.act:
-            d.skip = False
-            d.skip_reason = ""
-            return d
-        self.skip_streak = self.skip_streak + 1 if d.skip else 0
-        if self.skip_streak >= cfg.max_skip_streak:
+        return unstable
+
+    def _escalate(self, s: Signals, findings: list[Finding], d: Decision) -> None:
+        """One rung up the ladder unless cooling down; too many escalations in a window halt."""
+        cfg = self.cfg
+        self.healthy = 0
+        if self.last_escalation is not None and s.step - self.last_escalation <= cfg.cooldown:
+            return
+        reason = "; ".join(f.message for f in findings if f.kind in INSTABILITY_KINDS | REPEAT_KINDS)
+        rung = cfg.ladder[min(self.level, len(cfg.ladder) - 1)]
+        self.level += 1
+        self.last_escalation = s.step
+        self.escalations.append(s.step)
+        if len(self.escalations) > cfg.max_escalations:
             d.halt = True
-            d.actions.append(Action("halt", s.step, f"{self.skip_streak} consecutive skipped steps"))
-            return d
-        if unstable:
-            self.healthy = 0
-            cooling = self.last_escalation is not None and s.step - self.last_escalation <= cfg.cooldown
-            if not cooling:
-                reason = "; ".join(f.message for f in findings if f.kind in INSTABILITY_KINDS | REPEAT_KINDS)
-                rung = cfg.ladder[min(self.level, len(cfg.ladder) - 1)]
-                self.level += 1
-                self.last_escalation = s.step
-                self.escalations.append(s.step)
-                if len(self.escalations) > cfg.max_escalations:
-                    d.halt = True
-                    d.actions.append(Action("halt", s.step,
-                                            f"{len(self.escalations)} escalations within {cfg.escalation_window} steps"))
-                    return d
-                for name in rung:
-                    if name == "halt":
-                        d.halt = True
-                    d.actions.append(Action(name, s.step, reason, {"rung": self.level}))
-        elif not d.skip:
-            self.healthy += 1
-            if self.level > 0 and self.healthy >= cfg.escalation_window:
-                self.level -= 1
-                self.healthy = 0
-        return d
+            d.actions.append(Action("halt", s.step,
+                                    f"{len(self.escalations)} escalations within {cfg.escalation_window} steps"))
+            return
+        for name in rung:
+            if name == "halt":
+                d.halt = True
+            d.actions.append(Action(name, s.step, reason, {"rung": self.level}))
 
     def state_dict(self) -> dict[str, Any]:
         return {"level": self.level, "last_escalation": self.last_escalation,

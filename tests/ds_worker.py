@@ -1,5 +1,5 @@
 """Worker for tests/test_deepspeed.py: one rank of a CPU (gloo) DeepSpeed ZeRO run in a plain loop,
-``gg.Guard(engine)`` in place of ``engine.step()``. Faults on rank 1 only: a NaN loss at step 4 (the
+``gradguard.deepspeed.DeepSpeedGuard(engine)`` in place of ``engine.step()``. Faults on rank 1 only: a NaN loss at step 4 (the
 engine's overflow check skips it), a garbage-label window with a loss spike at steps 6-7. Writes
 what this rank saw to ``<out>/rank<R>.json``.
 
@@ -28,6 +28,7 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gradguard as gg  # noqa: E402
+from gradguard.deepspeed import DeepSpeedGuard  # noqa: E402
 from gradguard.measure import default_layer_name  # noqa: E402
 from tests._dist import shutdown  # noqa: E402
 from tests.plain_dist_worker import BATCH, MLP, batch  # noqa: E402  (the model and data of the DDP/FSDP tests)
@@ -63,7 +64,7 @@ def build(stage: int, scenario: str, out: str) -> tuple[object, gg.Guard]:
         conf = gg.GuardConfig.preset("monitor", output={"console": False, "dir": out}, detect={"warmup_steps": 3})
     if scenario == "wrong":  # the module and DeepSpeed's optimizer, not the engine
         return engine, gg.Guard(engine.module, engine.optimizer, config=conf)
-    return engine, gg.Guard(engine, config=conf)
+    return engine, DeepSpeedGuard(engine, config=conf)
 
 
 def reference_norms(world: int) -> dict[str, float]:
@@ -96,7 +97,7 @@ def main(out: str, stage_s: str, scenario: str) -> None:
             json.dump({"rank": rank, "refused": str(exc)}, fh)
         return
     res: dict = {"rank": rank, "engine_class": type(guard).__name__, "ref": reference_norms(torch.distributed.get_world_size()),
-                 "engine_clip_at_attach": engine.optimizer.clip_grad, "max_norm_at_attach": guard.clip.max_norm}
+                 "engine_clip_at_attach": engine.optimizer.clip_grad, "max_norm_at_attach": guard.core.clip.max_norm}
     after: dict[int, list[float]] = {0: flat_params(engine.module)}
     reports = []
     restored = []
@@ -107,9 +108,9 @@ def main(out: str, stage_s: str, scenario: str) -> None:
             y = torch.randint(0, 5, y.shape, generator=torch.Generator().manual_seed(step))
             x = x * 300
         if scenario == "lr" and step == 3:
-            guard.lr.global_mult = 0.5
+            guard.core.lr.global_mult = 0.5
         if scenario.startswith("lr") and step == 5:
-            guard.clip.tighten()
+            guard.core.clip.tighten()
         before = flat_params(engine.module)
         dtype = next(engine.module.parameters()).dtype
         if scenario == "gas":  # the first half as its own micro-batch: guard.step steps the engine's micro count
@@ -138,7 +139,7 @@ def main(out: str, stage_s: str, scenario: str) -> None:
             res["lr_after_step"] = [g["lr"] for g in engine.optimizer.param_groups]
             res["lr_before_step"] = lr_seen
         if scenario.startswith("lr") and step == 5:
-            res["clip_after_tighten"] = [guard.clip.max_norm, engine.optimizer.clip_grad]
+            res["clip_after_tighten"] = [guard.core.clip.max_norm, engine.optimizer.clip_grad]
         for a in r.actions:
             if a.name == "rollback" and "to_step" in a.params:
                 # the weights now are exactly those right after step to_step; the fp32 master partition too
@@ -168,8 +169,8 @@ def main(out: str, stage_s: str, scenario: str) -> None:
         "findings": [[r.step, f.kind] for r in reports for f in r.findings],
         "losses": [r.loss for r in reports], "totals": [r.total_norm for r in reports],
         "engine_norms": [float(engine.get_global_grad_norm() or 0.0)],
-        "restored": restored, "mult": guard.lr.global_mult, "engine_clip": engine.optimizer.clip_grad,
-        "guard_clip": guard.clip.max_norm, "params": flat_params(engine.module),
+        "restored": restored, "mult": guard.core.lr.global_mult, "engine_clip": engine.optimizer.clip_grad,
+        "guard_clip": guard.core.clip.max_norm, "params": flat_params(engine.module),
         "log": guard.log_path,
     })
     events = [json.loads(line) for line in open(guard.log_path)] if guard.log_path and rank == 0 else []

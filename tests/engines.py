@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import gradguard as gg
+from gradguard.core import GuardCore
 from gradguard.sinks import MemorySink
 
 ENGINES = ["plain", "hf", "lightning"]
@@ -108,7 +109,8 @@ class Record:
         self.opt_state: dict[int, torch.Tensor] = {}
         self.eff_lr: dict[int, float] = {}  # |delta p| / |grad| of step k (SGD), 0 when skipped
         self.sched_lr: dict[int, float] = {}  # the scheduler's LR (param group) when step k began
-        self.core: gg.GuardCore | None = None
+        self.core: GuardCore | None = None
+        self.guard: gg.Guard | None = None  # the plain engine's Guard (its state_dict adds the batches)
         self.callback = None
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -214,7 +216,7 @@ def run_plain(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True
     batches = BatchController(Data(), BS, shuffle=False)
     g = gg.Guard(model, opt, scheduler=sched, config=config, sinks=[rec.sink], batches=batches) if guard else None
     if g is not None:
-        g.attach_checkpoints(PlainCheckpoints(model, opt, sched))
+        g.core.attach_checkpoints(PlainCheckpoints(model, opt, sched))
     start = 0
     if resume_from is not None:
         ck = torch.load(resume_from, weights_only=True)
@@ -224,7 +226,8 @@ def run_plain(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True
         g.load_state_dict(json.loads(ck["guard"]))
         rec.restored_state = g.state_dict()
         start = ck["step"]
-    rec.core, rec.model, rec.optimizer, rec.scheduler = g, model, opt, sched
+    rec.core, rec.model, rec.optimizer, rec.scheduler = (g.core if g else None), model, opt, sched
+    rec.guard = g
     k = start
     model.step_fn = lambda: k + 1
     for hook in hooks or []:
@@ -251,7 +254,7 @@ def run_plain(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True
             rec.after_step(k, model, opt)
             if save_at and k % save_at == 0 and g is not None:
                 path = str(tmp_path / f"plain-{k}.ckpt")
-                g.checkpoint_saved(k, [path])  # before the guard's state is taken: it lists this file
+                g.core.checkpoint_saved(k, [path])  # before the guard's state is taken: it lists this file
                 if k == save_at:
                     rec.saved_state = g.state_dict()
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
@@ -276,7 +279,7 @@ def _run_plain_controller(tmp_path, config, steps, opt_kind, guard, injectors, a
     batches = BatchController(Data(), batch_size=BS, shuffle=False, epochs=None)
     g = gg.Guard(model, opt, scheduler=sched, scaler=scaler, config=config, sinks=[rec.sink],
                  batches=batches) if guard else None
-    rec.core, rec.model, rec.optimizer, rec.scheduler = g, model, opt, sched
+    rec.core, rec.model, rec.optimizer, rec.scheduler = (g.core if g else None), model, opt, sched
     rec.injectors = injectors(model, opt, g)
     k = 0
     try:

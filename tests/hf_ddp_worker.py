@@ -75,7 +75,7 @@ def main(out: str, mode: str) -> None:
            "actions": [[r.step, a.name] for r in cb.reports for a in r.actions],
            "rollback_to": [a.params.get("to_step") for r in cb.reports for a in r.actions if a.name == "rollback"],
            "skipped": [r.step for r in cb.reports if r.skipped], "sizes": sizes, "weights": digest.hexdigest(),
-           "action_log": [[e["step"], e["name"], e["params"]] for e in cb.core._action_log],
+           "action_log": [[e["step"], e["name"], e["params"]] for e in cb.core.reporter.action_log],
            "params": [v for p in trainer.model.parameters() for v in p.detach().reshape(-1)[:64].tolist()],
            "sampler": type(trainer.callback_handler.train_dataloader.batch_sampler).__name__,
            "logs": [[h["step"], h["loss"], h.get("gradguard/loss")] for h in trainer.state.log_history if "loss" in h]}

@@ -250,7 +250,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
                 "mult": core.lr.global_mult, "clip": core.clip.max_norm, "steps": core.step_count,
                 "actions": dict(core.action_counts), "skipped": core.skipped_steps,
                 "sharded": core.measurer.sharding is not None,
-                "action_log": [[e["step"], e["name"], e["params"]] for e in core._action_log],
+                "action_log": [[e["step"], e["name"], e["params"]] for e in core.reporter.action_log],
                 "batch_sizes": list(batch_sizes), "names": [n for n, _ in module.named_parameters()], "window": cb.data_skipped_steps,
                 "log": core.log_path if rank == 0 else None})
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:

@@ -194,16 +194,16 @@ def main(out: str, strategy: str, scenario: str) -> None:
             loss = loss * float("nan")  # a NaN in rank 1's batch only
         loss.backward()
         if scenario == "disk_damaged" and rank == 1 and step == 7:  # rank 1's newest snapshot file damaged
-            path = guard.snapshots.disk.path(2)
+            path = guard.core.snapshots.disk.path(2)
             with open(path, "r+b") as fh:
                 fh.truncate(100)
         if scenario == "clip" and step == 3:  # the middle layer's LR x0.1 (under fsdp1_one: a slice of the flat parameter)
-            guard.lr.lower_layers(["layers.1"])
+            guard.core.lr.lower_layers(["layers.1"])
         r = guard.step(loss)
         opt.zero_grad(set_to_none=True)
         reports.append(r)
-        if scenario.startswith("disk") and guard.snapshots is not None and guard.snapshots.disk is not None:
-            d = guard.snapshots.disk.directory
+        if scenario.startswith("disk") and guard.core.snapshots is not None and guard.core.snapshots.disk is not None:
+            d = guard.core.snapshots.disk.directory
             disk_files = [os.path.join(os.path.basename(d), f) for f in sorted(os.listdir(d))] or disk_files
         if resume and step == 8:  # a new guard from rank 0's state on every rank, as after a restart
             box = [guard.state_dict()]
@@ -224,8 +224,8 @@ def main(out: str, strategy: str, scenario: str) -> None:
            "clipped": [r.step for r in reports if r.clipped],
            "findings": [[r.step, f.kind] for r in reports for f in r.findings],
            "norms": first.layer_norms, "total": first.total_norm, "ref": ref,
-           "losses": [r.loss for r in reports], "totals": [r.total_norm for r in reports], "mult": guard.lr.global_mult, "layer_mult": dict(guard.lr.layer_mult), "max_norm": guard.clip.max_norm,
-           "steps": guard.step_count, "weights": digest, "params": full_params(model),
+           "losses": [r.loss for r in reports], "totals": [r.total_norm for r in reports], "mult": guard.core.lr.global_mult, "layer_mult": dict(guard.core.lr.layer_mult), "max_norm": guard.core.clip.max_norm,
+           "steps": guard.core.step_count, "weights": digest, "params": full_params(model),
            "betas": [list(g["betas"]) for g in opt.param_groups], "disk_files": disk_files,
            "pid": os.getpid(), "fallbacks": fallbacks, "ratio_steps": ratio_steps,
            "engine_norms": [r.engine_norm for r in reports], "log": guard.log_path}

@@ -114,7 +114,7 @@ def main(out: str, strategy: str, scenario: str) -> None:
         sq[default_layer_name(name)] = sq.get(default_layer_name(name), 0.0) + float(p.grad.double().square().sum())
     params = [v for p in model.parameters() for v in p.detach().reshape(-1).tolist()]
     res = {"rank": rank, "error": error, "micro": micro, "sizes": sizes, "gain": float(base.gain),
-           "actions": [[e["step"], e["name"], e["params"]] for e in guard._action_log],
+           "actions": [[e["step"], e["name"], e["params"]] for e in guard.core.reporter.action_log],
            "oom_events": guard.oom.events,
            "skipped": [r.step for r in reports if r.skipped], "losses": [r.loss for r in reports],
            "norms": reports[0].layer_norms if reports else {}, "ref": {k: v ** 0.5 for k, v in sq.items()},

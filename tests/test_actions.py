@@ -37,7 +37,7 @@ def test_lr_multiplier_holds_for_100_steps(name, quiet_cfg):
     ref_opt, opt = _opt(ref_model), _opt(model)
     ref_sched, sched = SCHEDULERS[name](ref_opt), SCHEDULERS[name](opt)
     guard = gg.Guard(model, opt, scheduler=sched, config=quiet_cfg(clip={"mode": "off"}))
-    guard.lr.global_mult = guard.lr.global_ceiling = 0.25  # no recovery above it
+    guard.core.lr.global_mult = guard.core.lr.global_ceiling = 0.25  # no recovery above it
     seen = []
     opt.register_step_pre_hook(lambda o, a, k: seen.append([g["lr"] for g in o.param_groups]))
     gen = torch.Generator().manual_seed(1)
@@ -70,7 +70,7 @@ def test_layer_multiplier_scales_only_that_layers_update(quiet_cfg):
                                  {"params": ref.lm_head.parameters(), "lr": 1e-4}], lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = gg.Guard(model, opt, config=quiet_cfg(clip={"mode": "off"}))
-    guard.lr.layer_mult["lm_head"] = 0.1
+    guard.core.lr.layer_mult["lm_head"] = 0.1
     gen = torch.Generator().manual_seed(0)
     for _ in range(5):
         x, y = make_batch(gen)
@@ -137,7 +137,7 @@ def test_adam_beta2_eps_change_keeps_state(quiet_cfg):
         guard.step(1.0)
         opt.zero_grad()
     before = copy.deepcopy(opt.state_dict()["state"])
-    changes = guard.adam.apply()
+    changes = guard.core.adam.apply()
     assert changes["group0"] == {"beta2": [0.999, 0.95], "eps": [1e-8, 1e-6]}
     assert opt.param_groups[0]["betas"] == (0.9, 0.95) and opt.param_groups[0]["eps"] == 1e-6
     _state_equal(opt.state_dict()["state"], before)

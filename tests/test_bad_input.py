@@ -33,7 +33,7 @@ def _trained_state(tmp_path, steps=6, width=16):
         loss.backward()
         guard.step(loss)
         opt.zero_grad()
-    guard.lr.lower()
+    guard.core.lr.lower()
     state = json.loads(json.dumps(guard.state_dict()))
     guard.close()
     return state
@@ -87,7 +87,7 @@ def test_bad_guard_state_is_one_clear_error_and_changes_nothing(tmp_path, name, 
     assert names in msg and value in msg and "Fix:" in msg, msg
     assert guard.state_dict() == before  # all or nothing
     guard.load_state_dict(state)  # the intact state still loads
-    assert guard.step_count == 6 and guard.lr.global_mult < 1
+    assert guard.core.step_count == 6 and guard.core.lr.global_mult < 1
     guard.close()
 
 
@@ -100,7 +100,7 @@ def test_state_from_another_model_is_refused(tmp_path):
     assert guard.state_dict() == before
     legacy = {k: v for k, v in _trained_state(tmp_path / "legacy").items() if k != "model_signature"}
     guard.load_state_dict(legacy)  # states saved before signatures existed still load
-    assert guard.step_count == 6
+    assert guard.core.step_count == 6
     guard.close()
 
 
@@ -115,15 +115,15 @@ def test_restore_guard_state_applies_a_good_state_and_refuses_or_sets_aside_a_ba
         bad = _garble(["step_count"], -3)(state)
         if preset == "default":
             with pytest.raises(StateError, match=r"step_count=-3.*Fix"):
-                restore_guard_state(guard, guard.config, bad, legacy_checkpoints=tier)
+                restore_guard_state(guard.core, guard.config, bad, legacy_checkpoints=tier)
         else:
             with pytest.warns(gg.GradGuardWarning, match=r"step_count=-3.*fresh guard state"):
-                assert restore_guard_state(guard, guard.config, bad, legacy_checkpoints=tier) is False
-        assert guard.state_dict() == before and guard.checkpoint_tier.entries == []  # nothing changed
-        assert restore_guard_state(guard, guard.config, None, legacy_checkpoints=tier) is True
-        assert [e["path"] for e in guard.checkpoint_tier.entries] == ["ck-4"]
-        assert restore_guard_state(guard, guard.config, state, legacy_checkpoints=tier) is True
-        assert guard.step_count == 6 and guard.checkpoint_tier.entries == state["checkpoints"]  # the state's own tier
+                assert restore_guard_state(guard.core, guard.config, bad, legacy_checkpoints=tier) is False
+        assert guard.state_dict() == before and guard.core.checkpoint_tier.entries == []  # nothing changed
+        assert restore_guard_state(guard.core, guard.config, None, legacy_checkpoints=tier) is True
+        assert [e["path"] for e in guard.core.checkpoint_tier.entries] == ["ck-4"]
+        assert restore_guard_state(guard.core, guard.config, state, legacy_checkpoints=tier) is True
+        assert guard.core.step_count == 6 and guard.core.checkpoint_tier.entries == state["checkpoints"]  # the state's own tier
         guard.close()
 
 

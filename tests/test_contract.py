@@ -213,7 +213,7 @@ def test_stateful_pieces_round_trip_their_state(tmp_path):
     assert other.state_dict() == runner.state_dict()
     rec = run_plain(tmp_path, cfg(tmp_path, recovery={"snapshot_interval": 2, "confirm_steps": 1}), steps=6,
                     faults={3: 50.0, 4: 50.0})
-    state = json.loads(json.dumps(rec.core.state_dict()))
+    state = json.loads(json.dumps(rec.guard.state_dict()))
     net = Net()
     from gradguard.data import BatchController
 

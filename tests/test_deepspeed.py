@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 1/2 in a plain loop (``gg.Guard(engine)``, two gloo processes on the CPU,
+"""DeepSpeed ZeRO 1/2 in a plain loop (``gradguard.deepspeed.DeepSpeedGuard(engine)``, two gloo processes on the CPU,
 tests/ds_worker.py under torchrun) and under the HF Trainer (tests/hf_ds_worker.py, one process).
 The guard reads each rank's partition of the reduced gradients before DeepSpeed's step (per-layer
 norms, clip, skip through DeepSpeed's overflow path); with the optimizer offloaded it reads the

@@ -335,7 +335,7 @@ def test_lr_spike_is_undone_and_nests_with_the_guards_hook(tmp_path):
     guard = gg.Guard(model, opt, config=cfg)
     seen = []  # the LR the update uses (registered after the guard's hook)
     opt.register_step_pre_hook(lambda o, a, k: seen.append(o.param_groups[0]["lr"]))
-    guard.lr.global_mult = 0.5
+    guard.core.lr.global_mult = 0.5
     from .conftest import make_batch
 
     gen = torch.Generator().manual_seed(0)

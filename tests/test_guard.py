@@ -100,7 +100,7 @@ def test_gradient_accumulation_loss(quiet_cfg):
         losses.append(loss.item())
     rep = guard.step()
     assert rep.loss == pytest.approx(sum(losses) / 4, rel=1e-6)
-    assert rep.applied and guard.step_count == 1
+    assert rep.applied and guard.core.step_count == 1
 
 
 def test_layer_lr_targets_culprits_or_named_groups(quiet_cfg):
@@ -109,9 +109,9 @@ def test_layer_lr_targets_culprits_or_named_groups(quiet_cfg):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = gg.Guard(model, opt, config=quiet_cfg())
     a = gg.Action("lower_layer_lr", 1)
-    guard._execute(a)
+    guard.core.execute(a)
     assert set(a.params) == {"embed", "lm_head"}  # the seed's embedding/lm_head x0.1
-    assert guard.lr.layer_mult["embed"] == pytest.approx(0.1)
+    assert guard.core.lr.layer_mult["embed"] == pytest.approx(0.1)
 
 
 STATEFUL = {
@@ -132,12 +132,12 @@ def test_state_dict_round_trip_every_stateful_class(name, quiet_cfg):
     opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
     guard = gg.Guard(model, opt, config=quiet_cfg("adaptive"))
     _train(model, opt, 40, guard=guard, poison_at={30})
-    guard.lr.lower()
-    guard.lr.lower_layers(["lm_head"])
+    guard.core.lr.lower()
+    guard.core.lr.lower_layers(["lm_head"])
     if name == "SnapshotRing":  # its saved state is the rollback count
-        guard.snapshots.restore(guard.snapshots.best(), restore_schedule=False)
-    obj = {"Detectors": guard.detectors, "Policy": guard.policy, "ClipController": guard.clip,
-           "LRMultiplier": guard.lr, "AdamTuner": guard.adam, "SnapshotRing": guard.snapshots}[name]
+        guard.core.snapshots.restore(guard.core.snapshots.best(), restore_schedule=False)
+    obj = {"Detectors": guard.core.detectors, "Policy": guard.core.policy, "ClipController": guard.core.clip,
+           "LRMultiplier": guard.core.lr, "AdamTuner": guard.core.adam, "SnapshotRing": guard.core.snapshots}[name]
     state = obj.state_dict()
     blob = json.loads(json.dumps(state))  # states are plain JSON-able data
     guard.close()  # one guard per optimizer: the LR hooks come off on close

@@ -139,7 +139,7 @@ def test_float64_model_trains_guarded_in_the_plain_loop(quiet_cfg, monkeypatch):
     guard = gg.Guard(model, opt, config=quiet_cfg(clip={"max_norm": 0.05, "floor": 0.01}, measure={"log_interval": 3},
                                                  output={"metrics_interval": 3}))
     seen = []
-    guard.sinks.append(type("S", (gg.sinks.Sink,), {"log_metrics": lambda self, step, m: seen.append(m)})())
+    guard.core.sinks.append(type("S", (gg.sinks.Sink,), {"log_metrics": lambda self, step, m: seen.append(m)})())
     counter = CountNorms(monkeypatch)
     gen = torch.Generator().manual_seed(0)
     for _ in range(6):

@@ -105,5 +105,5 @@ def test_io_fault_makes_real_writes_fail_and_is_lifted_after_its_window(tmp_path
             opt.zero_grad()
     errors = [e for e in sink.events if e["type"] == "snapshot_io_error"]
     assert errors and errors[0]["step"] == 3 and "injected" in errors[0]["error"]
-    assert guard.snapshots.disk_writable is False  # degraded for the rest of the run, by design
+    assert guard.core.snapshots.disk_writable is False  # degraded for the rest of the run, by design
     guard.close()

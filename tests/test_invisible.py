@@ -100,7 +100,7 @@ def test_the_core_defers_a_model_frozen_at_attach_and_follows_the_optimizer():
         p.requires_grad_(False)
     opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
     guard = gg.Guard(model, opt, config=gg.GuardConfig.preset("monitor", output={"jsonl": False, "console": False}))
-    assert guard.layers.layer_names == []
+    assert guard.core.layers.layer_names == []
     model[1].requires_grad_(True)
     opt.add_param_group({"params": list(model[0].parameters())})
     model[0].requires_grad_(True)
@@ -109,7 +109,7 @@ def test_the_core_defers_a_model_frozen_at_attach_and_follows_the_optimizer():
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         report = guard.step()
-    assert guard.layers.layer_names == ["0", "1"] and report.layer_norms["0"] > 0
+    assert guard.core.layers.layer_names == ["0", "1"] and report.layer_norms["0"] > 0
     # a model none of whose parameters the optimizer holds is still refused (the wrong model)
     other = nn.Linear(4, 1)
     with pytest.raises(gg.UnsupportedSetupError, match="none of the model's trainable parameters"):
@@ -158,6 +158,7 @@ def _losses(values: list[float]) -> tuple[Detectors, list[list[str]]]:
     out = []
     for step, v in enumerate(values, 1):
         out.append([f.kind for f in det.observe(Signals(step=step, loss=v, total_norm=1.0, layer_norms={"a": 1.0}))])
+        det.settle(True)  # as a monitoring core does: every step's lesson is kept
     return det, out
 
 

@@ -166,7 +166,7 @@ def test_monitor_reports_the_quiet_failure_without_acting(tmp_path):
     guard, reports = _quiet_run("monitor", 45, tmp_path)
     kinds = [f.kind for r in reports for f in r.findings]
     assert NORM_TAKEOVER in kinds and not any(r.actions for r in reports)
-    assert guard.lr.current() == 1.0
+    assert guard.core.lr.current() == 1.0
 
 
 @pytest.mark.slow

@@ -72,7 +72,7 @@ def test_oom_halves_micro_batch_and_retries_same_data(quiet_cfg, tmp_path):
     first = next(iter(ctl))
     loss = guard.accumulate(first, loss_of(model))
     assert ctl.micro_batch_size == 4 and ctl.batch_size == 16 and ctl.accumulation_steps == 4
-    assert guard.action_counts["oom_shrink_micro"] == 1  # one error, one action: 16 -> 4 (pieces of 8 failed too)
+    assert guard.core.action_counts["oom_shrink_micro"] == 1  # one error, one action: 16 -> 4 (pieces of 8 failed too)
     act = next(e for e in sink.events if e["type"] == "action" and e["name"] == "oom_shrink_micro")
     assert act["params"]["micro_batch"] == [16, 4] and act["params"]["pieces"] == 4 and not act["params"]["step_skipped"]
     # same samples, same gradient as one full batch
@@ -91,7 +91,7 @@ def test_oom_halves_micro_batch_and_retries_same_data(quiet_cfg, tmp_path):
     ctl2 = BatchController(ds, batch_size=16, shuffle=False)
     guard2 = gg.Guard(model, opt, config=quiet_cfg(), batches=ctl2)
     guard2.load_state_dict(state)
-    assert ctl2.micro_batch_size == 4 and guard2.step_count == 1 and ctl2.position == 16
+    assert ctl2.micro_batch_size == 4 and guard2.core.step_count == 1 and ctl2.position == 16
 
 
 def test_shrink_batch_scales_lr_and_grows_back_with_tight_clip(quiet_cfg):
@@ -104,7 +104,7 @@ def test_shrink_batch_scales_lr_and_grows_back_with_tight_clip(quiet_cfg):
     seen_lr = []
     opt.register_step_pre_hook(lambda o, a, k: seen_lr.append(o.param_groups[0]["lr"]))
     a = gg.Action("shrink_batch", 1)
-    guard._execute(a)
+    guard.core.execute(a)
     assert a.params == {"batch": [16, 8], "lr_scale": 0.5}
     reports = []
     for step in ctl:
@@ -124,7 +124,7 @@ def test_shrink_batch_scales_lr_and_grows_back_with_tight_clip(quiet_cfg):
     ctl2 = BatchController(Pairs(), batch_size=16)
     g2 = gg.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg_micro, batches=ctl2)
     b = gg.Action("shrink_batch", 1)
-    g2._execute(b)
+    g2.core.execute(b)
     assert b.params == {"micro_batch": [16, 8], "accumulation": 2} and ctl2.batch_size == 16
 
 
@@ -142,10 +142,9 @@ def test_rollback_skips_data_window_and_logs_indices(quiet_cfg, tmp_path):
         opt.zero_grad()
     model.lm_head.weight.grad = torch.zeros_like(model.lm_head.weight)
     a = gg.Action("rollback", 6)
-    guard._extra_actions = []
-    guard._execute(a)
+    follow = guard.core.execute(a)
     assert a.params["to_step"] == 4 and a.params["skipped_batches"] == 3
-    skip = guard._extra_actions[0]
+    skip = follow[0]
     assert skip.params["skipped_indices"] == [list(range(20, 24)), list(range(24, 28)), list(range(28, 32))]
     assert skip.params["preceding_indices"][-1] == [16, 17, 18, 19]
     assert next(it).indices == [32, 33, 34, 35]

@@ -36,7 +36,7 @@ def test_close_restores_optimizer_exactly_and_one_guard_per_optimizer(quiet_cfg)
     with pytest.raises(AttachError, match=r"optimizer=SGD .*already has an acting guard attached.*Fix: call close\(\)"):
         gg.Guard(model, opt, config=quiet_cfg())
     gg.Guard(model, opt, config=quiet_cfg("monitor")).close()  # a monitor never touches the LR: allowed
-    guard.lr.lower(factor=0.1)  # the guard cut the LR to 10%
+    guard.core.lr.lower(factor=0.1)  # the guard cut the LR to 10%
     gen = torch.Generator().manual_seed(0)
     _train(guard, model, 2, gen)
     guard.close()
@@ -51,7 +51,7 @@ def test_close_restores_optimizer_exactly_and_one_guard_per_optimizer(quiet_cfg)
     opt.zero_grad()
     # a new guard on the same optimizer may attach now, and reports the multiplier it applies
     guard2 = gg.Guard(model, opt, config=quiet_cfg())
-    assert guard2.lr.current() == 1.0 and guard2.step(model(*make_batch(gen))).lr_multiplier == 1.0
+    assert guard2.core.lr.current() == 1.0 and guard2.step(model(*make_batch(gen))).lr_multiplier == 1.0
     guard2.close()
     guard2.close()  # idempotent
 
@@ -60,9 +60,9 @@ def test_close_mid_step_puts_the_users_lr_back(quiet_cfg):
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = gg.Guard(model, opt, config=quiet_cfg())
-    guard.lr.lower(factor=0.5)
+    guard.core.lr.lower(factor=0.5)
     model(*make_batch(torch.Generator().manual_seed(0))).backward()
-    guard.lr._pre_hook(opt, (), {})  # a step in progress: the multiplier is applied
+    guard.core.lr._pre_hook(opt, (), {})  # a step in progress: the multiplier is applied
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
     guard.close()
     assert opt.param_groups[0]["lr"] == 0.1
@@ -86,11 +86,11 @@ def test_two_runs_sharing_disk_dir_own_their_files_and_check_the_fingerprint(tmp
     ga, gb = _disk_guard(tmp_path, a, opt_a), _disk_guard(tmp_path, b, opt_b)
     _train(ga, a, 4, gen)
     _train(gb, b, 4, gen)
-    dir_a, dir_b = ga.snapshots.disk.directory, gb.snapshots.disk.directory
+    dir_a, dir_b = ga.core.snapshots.disk.directory, gb.core.snapshots.disk.directory
     assert dir_a != dir_b and os.path.dirname(dir_a) == os.path.dirname(dir_b) == str(tmp_path / "snaps")
     assert {f for f in os.listdir(dir_a) if f.endswith(".pt")} >= {"snapshot-000000002.pt", "snapshot-000000004.pt"}
     # a foreign file under this run's name (a copy, a mix-up) is refused: the next older one is used
-    snap = ga.snapshots.best()
+    snap = ga.core.snapshots.best()
 
     def overwrite_with_b(step):
         name = f"snapshot-{step:09d}.pt"
@@ -100,16 +100,16 @@ def test_two_runs_sharing_disk_dir_own_their_files_and_check_the_fingerprint(tmp
                 dst.write(src.read())
 
     overwrite_with_b(snap.step)
-    restored = ga.snapshots.restore(snap, restore_schedule=False)
-    assert restored.step < snap.step and "another model" in ga.snapshots.problems[0]
+    restored = ga.core.snapshots.restore(snap, restore_schedule=False)
+    assert restored.step < snap.step and "another model" in ga.core.snapshots.problems[0]
     # every file foreign: nothing is restored and nothing changes
-    for step in ga.snapshots.disk.steps():
+    for step in ga.core.snapshots.disk.steps():
         overwrite_with_b(step)
     with torch.no_grad():
         a.lm_head.weight.add_(1.0)
     before = copy.deepcopy(a.state_dict())
     with pytest.raises(SnapshotUnavailable, match="another model"):
-        ga.snapshots.restore(snap, restore_schedule=False)
+        ga.core.snapshots.restore(snap, restore_schedule=False)
     for k, v in a.state_dict().items():
         assert torch.equal(v, before[k])
     ga.close()
@@ -142,7 +142,7 @@ def test_orphan_temp_files_of_dead_writers_are_removed_at_start(tmp_path):
     assert live.exists() and elsewhere.exists() and kept.exists()
     ev = [e for e in sink.events if e["type"] == "snapshot_orphans_removed"]
     assert ev and sorted(ev[0]["paths"]) == sorted([str(orphan), str(legacy)])
-    own = guard.snapshots.disk.directory
+    own = guard.core.snapshots.disk.directory
     _train(guard, model, 3, torch.Generator().manual_seed(0))
     assert os.listdir(own)
     guard.close()
@@ -170,14 +170,14 @@ def test_disk_full_mid_run_degrades_to_memory_and_training_goes_on(tmp_path):
     assert all(r.applied for r in reports)
     kinds = {e["type"] for e in sink.events}
     assert {"snapshot_io_error", "sink_io_error"} <= kinds
-    assert not guard.snapshots.disk_writable
-    newest = max(guard.snapshots.ring + guard.snapshots.candidates, key=lambda s: s.step)
+    assert not guard.core.snapshots.disk_writable
+    newest = max(guard.core.snapshots.ring + guard.core.snapshots.candidates, key=lambda s: s.step)
     assert newest.step == 6 and newest.state and "path" not in newest.meta  # kept in memory instead
-    assert not [f for f in os.listdir(guard.snapshots.disk.directory) if ".tmp-" in f]  # no orphan left
+    assert not [f for f in os.listdir(guard.core.snapshots.disk.directory) if ".tmp-" in f]  # no orphan left
     # rollback still works (from the memory tier)
     model(*make_batch(gen)).backward()
     a = gg.Action("rollback", 8)
-    guard._execute(a)
+    guard.core.execute(a)
     assert a.params["to_step"] == 6
     guard.close()
 
@@ -190,13 +190,13 @@ def test_snapshot_files_deleted_rollback_unavailable_changes_nothing(tmp_path):
     guard = _disk_guard(tmp_path, model, opt, sink=sink)
     gen = torch.Generator().manual_seed(0)
     _train(guard, model, 5, gen)
-    assert guard.snapshots.best() is not None
-    for f in os.listdir(guard.snapshots.disk.directory):
-        os.remove(os.path.join(guard.snapshots.disk.directory, f))
+    assert guard.core.snapshots.best() is not None
+    for f in os.listdir(guard.core.snapshots.disk.directory):
+        os.remove(os.path.join(guard.core.snapshots.disk.directory, f))
     before = copy.deepcopy(model.state_dict())
     opt_before = copy.deepcopy(opt.state_dict())
     a = gg.Action("rollback", 6)
-    guard._execute(a)
+    guard.core.execute(a)
     assert a.params["unavailable"].startswith("rollback unavailable (no valid snapshot")
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
@@ -220,8 +220,8 @@ def test_unfrozen_and_added_parameters_are_measured_and_rollback_stays_whole(qui
                      sinks=[sink])
     gen = torch.Generator().manual_seed(0)
     _train(guard, model, 4, gen)
-    assert "lm_head" not in guard.layers.layer_names and "embed" not in guard.layers.layer_names
-    old = guard.snapshots.best()
+    assert "lm_head" not in guard.core.layers.layer_names and "embed" not in guard.core.layers.layer_names
+    old = guard.core.snapshots.best()
     assert old is not None
     # unfreeze: embed (already in the optimizer) and lm_head (a new param group)
     model.embed.requires_grad_(True)
@@ -232,20 +232,20 @@ def test_unfrozen_and_added_parameters_are_measured_and_rollback_stays_whole(qui
     model.lm_head.weight.grad[0, 0] = float("nan")  # a NaN in a parameter that joined late
     rep = guard.step(loss)
     opt.zero_grad()
-    assert {"embed", "lm_head"} <= set(guard.layers.layer_names)
+    assert {"embed", "lm_head"} <= set(guard.core.layers.layer_names)
     assert not rep.applied and any(f.kind == "nonfinite_grad" and "lm_head" in f.layers for f in rep.findings)
     assert torch.isfinite(model.lm_head.weight).all()
     # the snapshots taken for the old optimizer layout are dropped, not half-restored
     assert any(e["type"] == "snapshot_invalidated" for e in sink.events)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(SnapshotUnavailable, match="param groups"):
-        guard.snapshots.restore(old, restore_schedule=False)
+        guard.core.snapshots.restore(old, restore_schedule=False)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
     _train(guard, model, 4, gen)  # a fresh snapshot of the new layout is taken and confirmed
-    a = gg.Action("rollback", guard.step_count + 1)
+    a = gg.Action("rollback", guard.core.step_count + 1)
     model(*make_batch(gen)).backward()
-    guard._execute(a)
+    guard.core.execute(a)
     assert "to_step" in a.params and len(opt.param_groups) == 2
     guard.close()
 
@@ -264,7 +264,7 @@ def test_real_disk_full_mid_write_is_an_io_error_not_a_crash(tmp_path):
     guard = _disk_guard(tmp_path, model, opt, sink=sink)
     gen = torch.Generator().manual_seed(0)
     _train(guard, model, 1, gen)
-    trap = os.path.join(guard.snapshots.disk.directory, "snapshot-000000002.pt" + _tmp_suffix())
+    trap = os.path.join(guard.core.snapshots.disk.directory, "snapshot-000000002.pt" + _tmp_suffix())
     os.symlink("/dev/full", trap)  # writes to it fail with ENOSPC, as on a full disk
     with pytest.warns(RuntimeWarning, match="No space left on device"):
         reports = _train(guard, model, 3, gen)
@@ -272,5 +272,5 @@ def test_real_disk_full_mid_write_is_an_io_error_not_a_crash(tmp_path):
     err = [e for e in sink.events if e["type"] == "snapshot_io_error"]
     assert err and err[0]["errno"] == 28 and err[0]["step"] == 2
     assert not os.path.lexists(trap)  # the temp name is cleaned up
-    assert guard.snapshots.candidates[-1].state  # the snapshot is kept in memory instead
+    assert guard.core.snapshots.candidates[-1].state  # the snapshot is kept in memory instead
     guard.close()

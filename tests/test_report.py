@@ -177,5 +177,5 @@ def test_the_advice_of_a_resumed_run_still_sees_the_actions_before_the_resume(tm
     fresh = gg.Guard(net, make_opt(net.parameters(), "adamw"), config=c,  # the same optimizer settings
                      batches=BatchController(Data(), BS, shuffle=False))
     fresh.load_state_dict(state)
-    assert fresh.summary()["advice"]["settings"] == want
+    assert fresh.core.summary()["advice"]["settings"] == want
     fresh.close()

@@ -31,9 +31,9 @@ def _saved_state(tmp_path, tighten: bool, **over):
         loss.backward()
         guard.step(loss)
         opt.zero_grad()
-    guard.lr.lower()  # the rescue a resume must keep
+    guard.core.lr.lower()  # the rescue a resume must keep
     if tighten:
-        guard.clip.tighten()  # 1.0 -> 0.5
+        guard.core.clip.tighten()  # 1.0 -> 0.5
     state = json.loads(json.dumps(guard.state_dict()))
     guard.close()
     return state, model, opt
@@ -55,8 +55,8 @@ def test_a_new_clip_max_norm_takes_effect_and_the_learned_state_is_kept(tmp_path
     state, model, opt = _saved_state(tmp_path, tighten=False)
     mult = state["lr"]["global_mult"]
     guard, warned, sink = _resume(tmp_path, state, model, opt, clip={"max_norm": 2.0})
-    assert guard.clip.max_norm == 2.0  # not ignored: a clip that was not tightened takes the new value
-    assert guard.lr.global_mult == mult < 1 and guard.step_count == 4  # the rescue is kept
+    assert guard.core.clip.max_norm == 2.0  # not ignored: a clip that was not tightened takes the new value
+    assert guard.core.lr.global_mult == mult < 1 and guard.core.step_count == 4  # the rescue is kept
     assert warned == [w for w in warned if "clip.max_norm=2.0" in w and "clip.max_norm=1.0" in w] and len(warned) == 1
     ev = [e for e in sink.events if e["type"] == "resume_config_change"]
     assert [(e["field"], e["old"], e["new"]) for e in ev] == [("clip.max_norm", 1.0, 2.0)]
@@ -66,14 +66,14 @@ def test_a_new_clip_max_norm_takes_effect_and_the_learned_state_is_kept(tmp_path
 def test_a_tightened_clip_is_kept_under_the_new_ceiling_and_relaxes_toward_it(tmp_path):
     state, model, opt = _saved_state(tmp_path, tighten=True, clip={"relax_after": 2})
     guard, warned, _ = _resume(tmp_path / "up", state, model, opt, clip={"max_norm": 3.0, "relax_after": 2})
-    assert guard.clip.max_norm == 0.5 and len(warned) == 1 and "tightened clip 0.5 is kept" in warned[0]
+    assert guard.core.clip.max_norm == 0.5 and len(warned) == 1 and "tightened clip 0.5 is kept" in warned[0]
     for _ in range(4):  # relaxes (x2 every 2 healthy steps) up to the new ceiling, not the old one
-        guard.clip.tick_healthy()
-    assert guard.clip.max_norm == 2.0
+        guard.core.clip.tick_healthy()
+    assert guard.core.clip.max_norm == 2.0
     guard.close()
     state, model, opt = _saved_state(tmp_path / "2", tighten=True)
     guard, warned, _ = _resume(tmp_path / "down", state, model, opt, clip={"max_norm": 0.2})
-    assert guard.clip.max_norm == 0.2  # a lower ceiling wins over the tightened value
+    assert guard.core.clip.max_norm == 0.2  # a lower ceiling wins over the tightened value
     guard.close()
 
 
@@ -87,8 +87,8 @@ def test_output_changes_are_silent_and_other_conflicts_each_warned_once(tmp_path
                                policy={"ladder": ladder}, detect={"loss_sigma": 4.0})
     fields = sorted(w.split("resumed with ")[1].split("=")[0] for w in warned)
     assert fields == ["detect.loss_sigma", "lr.down_factor", "lr.min_multiplier", "policy.ladder"]
-    assert guard.lr.global_mult == 0.5  # raised to the new minimum multiplier
-    assert guard.config.detect.loss_sigma == 4.0 and guard.policy.cfg.ladder == ladder  # in force
+    assert guard.core.lr.global_mult == 0.5  # raised to the new minimum multiplier
+    assert guard.config.detect.loss_sigma == 4.0 and guard.core.policy.cfg.ladder == ladder  # in force
     guard.close()
     guard, warned, _ = _resume(tmp_path / "m", state, model, opt, preset="monitor")
     assert any("policy.act=False" in w and "only watches" in w for w in warned)
@@ -139,5 +139,5 @@ def test_a_saved_config_of_the_wrong_kind_does_not_break_the_load(tmp_path):
     state, model, opt = _saved_state(tmp_path, tighten=False)
     state["config"]["clip"]["max_norm"] = "big"  # hand-edited: the new config simply holds
     guard, warned, _ = _resume(tmp_path, state, model, opt)
-    assert guard.clip.max_norm == 1.0 and guard.step_count == 4 and len(warned) == 1
+    assert guard.core.clip.max_norm == 1.0 and guard.core.step_count == 4 and len(warned) == 1
     guard.close()

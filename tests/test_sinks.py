@@ -28,7 +28,7 @@ def _run_guard(tmp_path, sink):
     mem = gg.MemorySink()
     cfg = gg.GuardConfig.preset("default", output={"dir": str(tmp_path), "console": False, "metrics_interval": 5})
     guard = gg.Guard(model, opt, config=cfg, sinks=[mem, sink])
-    assert guard.layers.layer_names == ["fc1", "head"]
+    assert guard.core.layers.layer_names == ["fc1", "head"]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(32, 8, generator=gen)
     y = x @ torch.randn(8, 1, generator=gen)  # one fixed batch: a smooth loss, no spurious spikes

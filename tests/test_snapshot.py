@@ -76,13 +76,13 @@ def test_rollback_in_guard_restores_snapshot_and_keeps_counters(quiet_cfg):
         loss.backward()
         guard.step(loss)
         opt.zero_grad()
-    snap = guard.snapshots.best()
+    snap = guard.core.snapshots.best()
     assert snap is not None and snap.confirmed and snap.step == 5
     expect = copy.deepcopy(snap.state["model"])
     model(*make_batch(gen)).backward()
     a = gg.Action("rollback", 11)
-    guard._execute(a)
+    guard.core.execute(a)
     assert a.params["to_step"] == 5 and a.params["steps_lost"] == 5
     for k, v in model.state_dict().items():
         assert torch.equal(v, expect[k])
-    assert guard.step_count == 10  # user-visible counters never move backwards
+    assert guard.core.step_count == 10  # user-visible counters never move backwards

@@ -1,0 +1,332 @@
+"""Compound benchmark: generated runs in which two things happen, on model families the rules were
+not tuned on. The regression gate of the decision rules: no scenario may be *harmed* (guarded worse
+than unguarded by more than 0.5%).
+
+    python benchmarks/compound.py                      # master seed 0, plain loop, all families
+    python benchmarks/compound.py --master-seed 1      # a fresh held-out draw
+    python benchmarks/compound.py --models gpt,llama --steps 120
+
+Every run's seed and fault onset are drawn from the master seed (printed), so a new master seed is
+a new held-out set. Scenarios (each on every model family):
+
+* ``garbage``: a window of uniform random bytes (a binary file in a text shard), then healthy training;
+* ``garbage_high_lr``: the same window during an LR 3x too high;
+* ``late_spike``: the LR x30 for a few steps late in the cosine decay;
+* ``finetune_bad_batch``: fine-tuning from a pre-trained start, one bad batch (embeddings x100);
+* ``quiet_after_spike``: a NaN early, then an LR far too high under clip 1.0 (a quiet plateau);
+* ``healthy``: no fault (counts the guard's actions on a healthy run).
+
+Onsets are drawn from early / middle / late in the decay. Families: ``gpt`` (pre-LN, LayerNorm, a
+final norm), ``llama`` (pre-norm RMSNorm, SwiGLU, a final RMSNorm), ``postln`` (post-LN: the norms
+inside the blocks, no final norm), ``conv`` (a gated causal CNN). The reference of a fault run is
+the same run without its fault (for a too-high LR: at the tuned LR). Per arm: *rescued* (within 5%
+of the reference), *harmed* (worse than unguarded by more than 0.5%), actions on healthy runs.
+Engines: the plain loop (the HF Trainer and Lightning run the same core; their arms are not in
+this benchmark yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import RESULTS_DIR, ConvLM, GradGuardArm, Unguarded, environment, get_data  # noqa: E402
+
+from gradguard.demo_model import TinyGPT, evaluate  # noqa: E402
+
+SEQ, WIDTH, BATCH = 32, 64, 16
+TUNED_LR = 3e-3
+RESCUED, HARMED = 1.05, 1.005
+
+
+# -- model families ---------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, width: int, n_head: int) -> None:
+        super().__init__()
+        self.n1, self.n2 = RMSNorm(width), RMSNorm(width)
+        self.attn = nn.MultiheadAttention(width, n_head, bias=False, batch_first=True)
+        self.gate, self.up = nn.Linear(width, 2 * width, bias=False), nn.Linear(width, 2 * width, bias=False)
+        self.down = nn.Linear(2 * width, width, bias=False)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        a = self.n1(h)
+        h = h + self.attn(a, a, a, attn_mask=mask, need_weights=False)[0]
+        m = self.n2(h)
+        return h + self.down(F.silu(self.gate(m)) * self.up(m))
+
+
+class TinyLlama(nn.Module):
+    """Pre-norm RMSNorm decoder (tok_emb, blocks.N, ln_f = final RMSNorm, lm_head), no biases."""
+
+    def __init__(self, n_layer: int = 2, width: int = WIDTH, n_head: int = 4, seq_len: int = SEQ) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(256, width)
+        self.pos_emb = nn.Embedding(seq_len, width)
+        self.blocks = nn.ModuleList(LlamaBlock(width, n_head) for _ in range(n_layer))
+        self.ln_f = RMSNorm(width)
+        self.lm_head = nn.Linear(width, 256, bias=False)
+        self.register_buffer("mask", torch.triu(torch.full((seq_len, seq_len), -math.inf), 1), persistent=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.tok_emb(x) + self.pos_emb(torch.arange(t, device=x.device))
+        for b in self.blocks:
+            h = b(h, self.mask[:t, :t])
+        logits = self.lm_head(self.ln_f(h))
+        return logits if y is None else F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
+
+
+class PostLN(nn.Module):
+    """Post-LN transformer (the original recipe): LayerNorms inside the blocks, after each residual
+    add; no final norm layer (the norm-takeover rule has nothing to watch)."""
+
+    def __init__(self, n_layer: int = 2, width: int = WIDTH, n_head: int = 4, seq_len: int = SEQ) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(256, width)
+        self.pos_emb = nn.Embedding(seq_len, width)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, n_head, 2 * width, dropout=0.0, batch_first=True, norm_first=False)
+            for _ in range(n_layer))
+        self.lm_head = nn.Linear(width, 256, bias=False)
+        self.register_buffer("mask", torch.triu(torch.full((seq_len, seq_len), -math.inf), 1), persistent=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.tok_emb(x) + self.pos_emb(torch.arange(t, device=x.device))
+        for b in self.blocks:
+            h = b(h, src_mask=self.mask[:t, :t])
+        logits = self.lm_head(h)
+        return logits if y is None else F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
+
+
+FAMILIES = {
+    "gpt": lambda: TinyGPT(n_layer=2, width=WIDTH, n_head=4, seq_len=SEQ),
+    "llama": lambda: TinyLlama(),
+    "postln": lambda: PostLN(),
+    "conv": lambda: ConvLM(width=WIDTH, n_layer=3),
+}
+
+
+# -- scenarios ----------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    scenario: str
+    model: str
+    seed: int
+    steps: int
+    lr: float
+    onset: int = 0
+    fault: str | None = None  # garbage | lr_spike | embed_x100 | nan
+    fault_len: int = 0
+    clip: float | None = None
+    warmup_frac: float = 0.1
+    pre_steps: int = 0
+    second: str | None = None  # a second event: "quiet" (the LR far too high from the second onset)
+    healthy: bool = False
+
+    def in_fault(self, step: int) -> bool:
+        return self.fault is not None and self.onset <= step < self.onset + self.fault_len
+
+    def reference(self) -> Run:
+        """The same run without its fault, at the tuned LR when the LR was the problem."""
+        lr = TUNED_LR if self.scenario in ("garbage_high_lr", "quiet_after_spike") else self.lr
+        return replace(self, fault=None, fault_len=0, lr=lr, second=None, clip=self.clip)
+
+
+def draw(master: int, models: list[str], steps: int) -> list[Run]:
+    """The runs of one master seed: per scenario and model a seed and an onset phase."""
+    rng = random.Random(master)
+    phase = {"early": (0.15, 0.3), "middle": (0.4, 0.6), "late": (0.7, 0.85)}
+    runs: list[Run] = []
+    for model in models:
+        def onset(which: str) -> int:
+            lo, hi = phase[which]
+            return int(steps * rng.uniform(lo, hi))
+
+        def seed() -> int:
+            return rng.randrange(10_000)
+
+        for which in ("early", "middle", "late"):
+            runs.append(Run("garbage", model, seed(), steps, 1e-2 if model != "conv" else TUNED_LR,
+                            onset=onset(which), fault="garbage", fault_len=rng.randint(6, 12)))
+        runs.append(Run("garbage_high_lr", model, seed(), steps, 3e-2, onset=onset("middle"),
+                        fault="garbage", fault_len=rng.randint(6, 12)))
+        runs.append(Run("late_spike", model, seed(), steps, TUNED_LR, onset=onset("late"), fault="lr_spike",
+                        fault_len=rng.randint(3, 6)))
+        runs.append(Run("finetune_bad_batch", model, seed(), steps, 3e-4, onset=onset("middle"),
+                        fault="embed_x100", fault_len=1, warmup_frac=0.0, pre_steps=100))
+        runs.append(Run("quiet_after_spike", model, seed(), steps, 0.1, onset=onset("early"), fault="nan",
+                        fault_len=1, clip=1.0, warmup_frac=0.0))
+        runs.append(Run("healthy", model, seed(), steps, TUNED_LR, healthy=True))
+    return runs
+
+
+# -- one run ---------------------------------------------------------------------------------------
+def train(run: Run, arm_name: str) -> dict[str, Any]:
+    torch.manual_seed(run.seed)
+    data = get_data(SEQ)
+    gen = torch.Generator().manual_seed(run.seed)
+    noise = torch.Generator().manual_seed(50_000 + run.seed)
+    model = FAMILIES[run.model]()
+    if run.pre_steps:
+        pre = torch.optim.AdamW(model.parameters(), lr=TUNED_LR, weight_decay=0.01)
+        pg = torch.Generator().manual_seed(20_000 + run.seed)
+        for s in range(run.pre_steps):
+            for g in pre.param_groups:
+                g["lr"] = TUNED_LR * min(1.0, (s + 1) / 20)
+            x, y = data.train_batch(32, pg)
+            model(x, y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            pre.step()
+            pre.zero_grad(set_to_none=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warm = int(run.warmup_frac * run.steps)
+
+    def lam(s: int) -> float:  # warm-up then cosine; the LR-spike fault multiplies it
+        f = (s + 1) / warm if warm and s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, run.steps - warm)))
+        return f * (30.0 if run.fault == "lr_spike" and run.in_fault(s + 1) else 1.0)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    arm = Unguarded() if arm_name in ("unguarded", "reference") else GradGuardArm("default")
+    arm.user_clip = run.clip
+    tmp = tempfile.TemporaryDirectory(prefix="gg-compound-")
+    arm.attach(model, opt, sched, None, tmp.name)
+    hook = model.tok_emb.register_forward_hook(
+        lambda m, i, out: out * 100.0 if m.training and run.fault == "embed_x100" and run.in_fault(step) else None)
+    nan_hook = model.tok_emb.register_forward_hook(
+        lambda m, i, out: out + float("nan") if m.training and run.fault == "nan" and run.in_fault(step) else None)
+    skipped = 0
+    for step in range(1, run.steps + 1):
+        x, y = data.train_batch(BATCH, gen)
+        if run.fault == "garbage" and run.in_fault(step):
+            stream = torch.randint(0, 256, (BATCH, SEQ + 1), generator=noise)
+            x, y = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+        loss = model(x, y)
+        loss.backward()
+        o = arm.step(loss)
+        opt.zero_grad(set_to_none=True)
+        skipped += not o.applied
+        if o.stop:
+            break
+    hook.remove()
+    nan_hook.remove()
+    ev = evaluate(model, data.eval_batches(64, 4))
+    extra = arm.finish()
+    tmp.cleanup()
+    acts = {k: v for k, v in extra.get("guard_actions", {}).items()}
+    return {"eval": ev if math.isfinite(ev) else float("inf"), "skipped": skipped, "actions": acts,
+            "halted": extra.get("halted")}
+
+
+def judge(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    faults = [r for r in rows if not r["healthy"]]
+    out = {"runs": len(rows)}
+    for arm in ("unguarded", "gradguard"):
+        out[arm] = {"rescued": sum(r[arm]["eval"] <= RESCUED * r["reference"]["eval"] for r in faults),
+                    "of": len(faults)}
+    out["harmed"] = [f"{r['scenario']}/{r['model']}" for r in rows
+                     if r["gradguard"]["eval"] > HARMED * r["unguarded"]["eval"]]
+    healthy = [r for r in rows if r["healthy"]]
+    out["healthy_actions"] = sum(sum(r["gradguard"]["actions"].values()) for r in healthy)
+    out["healthy_runs"] = len(healthy)
+    return out
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    lines = [f"# Compound benchmark, master seed {doc['master_seed']}", "",
+             f"{s['runs']} runs (plain loop, {doc['steps']} steps, AdamW 0.9/0.95, 10% warm-up + cosine). "
+             f"Rescued: within {RESCUED - 1:.0%} of the reference; harmed: guarded > unguarded x {HARMED}.", "",
+             f"- unguarded rescued {s['unguarded']['rescued']}/{s['unguarded']['of']}; gradguard rescued "
+             f"{s['gradguard']['rescued']}/{s['gradguard']['of']}",
+             f"- harmed: {len(s['harmed'])} {s['harmed'] or ''}",
+             f"- actions on {s['healthy_runs']} healthy runs: {s['healthy_actions']}", "",
+             "| scenario | model | seed | onset | reference | unguarded | gradguard | g/u | actions |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        g, u, ref = r["gradguard"]["eval"], r["unguarded"]["eval"], r["reference"]["eval"]
+        acts = ", ".join(f"{k} {v}" for k, v in sorted(r["gradguard"]["actions"].items())) or "-"
+        lines.append(f"| {r['scenario']} | {r['model']} | {r['seed']} | {r['onset']} | {ref:.3f} | {u:.3f} | "
+                     f"{g:.3f} | {g / u:.3f} | {acts} |")
+    return "\n".join(lines) + "\n"
+
+
+def _key(row: dict[str, Any]) -> str:
+    return json.dumps({k: row[k] for k in asdict(Run("", "", 0, 0, 0.0))}, sort_keys=True)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--master-seed", type=int, default=0)
+    ap.add_argument("--models", default=",".join(FAMILIES))
+    ap.add_argument("--scenarios", default="")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--reuse", default="", help="a results JSON of the same master seed whose reference and "
+                    "unguarded runs are reused (they involve no gradguard code): only the guarded arm runs")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    runs = draw(args.master_seed, args.models.split(","), args.steps)
+    if args.scenarios:
+        runs = [r for r in runs if r.scenario in args.scenarios.split(",")]
+    print(f"master seed {args.master_seed}: {len(runs)} runs", flush=True)
+    rows, t0 = [], time.time()
+    reuse: dict[str, Any] = {}
+    if args.reuse:
+        with open(args.reuse, encoding="utf-8") as fh:
+            reuse = {_key(r): r for r in json.load(fh)["rows"]}
+    for i, run in enumerate(runs, 1):
+        row = {**asdict(run)}
+        old = reuse.get(_key(row))
+        if old is not None:
+            row["reference"], row["unguarded"] = old["reference"], old["unguarded"]
+        else:
+            row["reference"] = train(run.reference(), "reference") if not run.healthy else None
+            row["unguarded"] = train(run, "unguarded")
+        row["gradguard"] = train(run, "gradguard")
+        if row["reference"] is None:
+            row["reference"] = row["unguarded"]
+        rows.append(row)
+        print(f"[{i}/{len(runs)}] {run.scenario}/{run.model} ref {row['reference']['eval']:.3f} "
+              f"unguarded {row['unguarded']['eval']:.3f} gradguard {row['gradguard']['eval']:.3f} "
+              f"{row['gradguard']['actions']} ({time.time() - t0:.0f}s)", flush=True)
+    doc = {"master_seed": args.master_seed, "steps": args.steps, "rows": rows, "summary": judge(rows),
+           "environment": environment()}
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    stem = os.path.join(RESULTS_DIR, f"compound-seed{args.master_seed}{args.tag}")
+    with open(stem + ".json", "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=1, default=str)
+    with open(stem + ".md", "w", encoding="utf-8") as fh:
+        fh.write(markdown(doc))
+    print(markdown(doc))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,690 @@
+"""The core: measure -> detect -> decide -> act -> account, once per optimizer step.
+
+:class:`GuardCore` is engine-agnostic. An engine adapter (the plain loop :class:`gradguard.Guard`,
+the HF and Lightning callbacks, DeepSpeed) calls :meth:`GuardCore.before_step` when the gradients
+are final (accumulated, unscaled, not yet clipped) and :meth:`GuardCore.after_step` once the
+optimizer has (or has not) stepped; :mod:`gradguard.contract` lists the points of the loop.
+
+One step reads straight through::
+
+    before_step   measure: per-layer norms, loss, loss scale (one fused pass, one host read)
+    decide        detect (findings) -> judge (the policy's decision) -> act (clip, skip, actuators)
+    after_step    account: what the detectors learn (:func:`teaches`), counters, snapshots, metrics
+
+The parts live beside it: :class:`gradguard.rollback.Rollback` (snapshots, trust tiers, the way
+back), :class:`gradguard.reporting.Reporter` (sinks, events, metrics, alerts, diagnosis, summary),
+:class:`gradguard.actuators.Actuators` (action name -> code), and the controllers of
+:mod:`gradguard.act` (clip, LR multiplier, Adam).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._compat import scaler_found_inf, scaler_scale, set_scaler_scale, sync_local_param_groups
+from ._shard import sharding
+from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
+from .actuators import Actuators, BatchResizer, builtin_actuators
+from .config import GuardConfig
+from .contract import CheckpointSource, Collective, DataSkip, SteppingEngine
+from .contract import collective as default_collective
+from .detect import NORM_TAKEOVER, Detectors, Finding, Signals
+from .errors import GradGuardHalt, UnsupportedSetupError, warn
+from .measure import EngineClip, GradMeasurer, LayerMap, metric_key, norm_layers
+from .names import M
+from .policy import Action, Decision, Policy
+from .recovery import step_verdict
+from .reporting import Reporter, optimizer_info
+from .resume import reconcile
+from .rollback import Rollback
+from .sinks import Sink
+from .state import load_core_state, model_signature
+
+__all__ = ["GuardCore", "StepReport", "teaches", "STATE_VERSION"]
+
+STATE_VERSION = 1
+
+
+@dataclass
+class StepReport:
+    """What one guarded step did. ``applied`` is False when the optimizer step was skipped."""
+
+    step: int
+    applied: bool
+    skip_reason: str = ""
+    loss: float | None = None
+    total_norm: float = 0.0
+    layer_norms: dict[str, float] = field(default_factory=dict)
+    clip_to: float | None = None
+    clipped: bool = False
+    scale: float | None = None
+    overflow: bool = False
+    lr_multiplier: float = 1.0
+    findings: list[Finding] = field(default_factory=list)
+    actions: list[Action] = field(default_factory=list)
+    halt: bool = False
+    diagnosis: dict[str, Any] | None = None
+    healthy: bool = False
+    blamed_on_data: bool = False
+    unstable: bool = False
+    """The policy judged the step an instability (a confirmed spike, a takeover...), applied or not."""
+    rolled_back: bool = False
+    engine_norm: float | None = None
+    """The engine's own total gradient norm (its log value) when ``before_step`` took the engine's
+    norm pass over (``engine_clip``); else None."""
+    engine_coef: float | None = None
+
+    @property
+    def skipped(self) -> bool:
+        return not self.applied
+
+
+def teaches(report: StepReport) -> bool:
+    """THE rule of what the detectors learn from, for every detector (loss, grad norm, norm
+    takeover, loss scale, and any added later): a step enters their baselines, windows and
+    statistics only if its update was applied and nothing judged it bad. A skipped step (spike,
+    non-finite values, an fp16 overflow, the engine's own overflow skip), a rolled-back step, a
+    step blamed on the data, a step the policy judged an instability (a repeated spike whose update
+    went through under a tighter clip) and a halting step teach nothing. Every detector *judges* every step
+    (:meth:`Detectors.observe` stages what the step would teach); the core settles the lesson
+    here, once the step's fate is final (:meth:`GuardCore.after_step`). An fp16 overflow is the
+    loss-scale detector's event (its streak and rate count overflows), not a lesson."""
+    return (report.applied and not report.halt and not report.overflow and not report.blamed_on_data
+            and not report.rolled_back and not report.unstable)
+
+
+def finish_halt(core: GuardCore, diagnosis: dict[str, Any]) -> None:
+    """HALT in a loop the guard drives (plain, DeepSpeed): the guard is closed, then
+    :class:`GradGuardHalt` is raised (``output.halt_raises=False``: a warning; the caller stops)."""
+    core.close()
+    if core.config.output.halt_raises:
+        raise GradGuardHalt(diagnosis)
+    warn(str(GradGuardHalt(diagnosis)), stacklevel=4)
+
+
+class GuardCore:
+    """The engine-agnostic guard and the engine API (see :mod:`gradguard.contract`).
+    ``collective`` (default: :func:`gradguard.contract.collective`) combines the step's measurement
+    over processes and votes on checkpoint restores; ``reduce`` overrides only the former.
+    ``shard_root``: the engine's wrapper around ``model`` when it shards from outside it (an FSDP1
+    root unit around a LightningModule), read for the sharding layout. ``stepping``: an engine that
+    runs the optimizer step itself (DeepSpeed, see :mod:`gradguard.deepspeed`)."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, *, config: GuardConfig | None = None,
+                 sinks: list[Sink] | None = None, out_dir: str | None = None,
+                 layer_fn: Callable[[str], str] | None = None, scheduler: Any = None,
+                 scaler: Any = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 collective: Collective | None = None, shard_root: nn.Module | None = None,
+                 stepping: SteppingEngine | None = None) -> None:
+        config = GuardConfig.coerce(config)
+        if not isinstance(model, nn.Module):
+            raise UnsupportedSetupError(f"gradguard: model={type(model).__name__} is not a torch.nn.Module. "
+                                        "Fix: pass the module whose parameters the optimizer trains")
+        self.config, self.model, self.stepping, self.scheduler = config, model, stepping, scheduler
+        self.collective: Collective = collective if collective is not None else default_collective()
+        # cross-rank combination of the step's packed measurements (DDP): one reduction per step
+        self.reduce = reduce if reduce is not None else (
+            self.collective.mean if self.collective.world_size > 1 else None)
+        self.optimizer = unwrap_optimizer(optimizer)
+        self.shard_root = shard_root
+        self.layers, self.measurer = self._measurement(layer_fn)
+        self.detectors = Detectors(config.detect)
+        self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(model, self.layers))
+        self._layers_version = self.layers.version
+        self.policy = Policy(config.policy)
+        self.clip = ClipController(config.clip)
+        # a stepping engine may call the optimizer once per param group: the multiplier goes on
+        # around the engine's whole step instead (LRMultiplier.engine_begin / engine_end)
+        self.lr = LRMultiplier(config.lr, self.optimizer, self.layers, hooks=config.policy.act and stepping is None)
+        self.adam = AdamTuner(config.adam, self.optimizer)
+        self.reporter = Reporter(config, sinks, out_dir)
+        self.rollback = Rollback(config, model, self.optimizer, scheduler=scheduler, scaler=scaler,
+                                 collective=self.collective, detectors=self.detectors, lr=self.lr, clip=self.clip,
+                                 emit=self.reporter.emit,
+                                 extra_state=stepping.snapshot_state() if stepping is not None else None)
+        self.actuators = Actuators(stepping.unavailable if stepping is not None else None)
+        builtin_actuators(self.actuators, config, lr=self.lr, clip=self.clip, adam=self.adam, layers=self.layers,
+                          early=self._early, failed_at=lambda: self._failed_mult,
+                          culprits=lambda: [n for n, _ in self.reporter.culprits.most_common(3)])
+        if self.rollback.snapshots is not None:
+            self.actuators.register("rollback", self.rollback)
+        self.batches: BatchResizer | None = None
+        self.step_count = self.applied_steps = self.skipped_steps = 0
+        self._loss_sum: torch.Tensor | float | None = None
+        self._loss_n = 0
+        self._before_params: list[torch.Tensor] | None = None
+        self._step_lrs: list[float] = []
+        self._ratios: dict[str, float] = {}  # the latest update ratios / param norms (kept for engines' log steps)
+        #: engine hook: True for a step the engine will log (update ratios are measured for it)
+        self.ratio_due: Callable[[int], bool] | None = None
+        #: the full row of the latest step the engine logs itself (see ``after_step(engine_logs=True)``)
+        self.pending_row: dict[str, float] | None = None
+        self._failed_mult = 1.0  # LR multiplier level at which the current step's instability happened
+        self._early_now = False
+        self._last: StepReport | None = None
+        self.reporter.start(list(self.layers.layer_names), optimizer_info(self.optimizer))
+
+    def _measurement(self, layer_fn: Callable[[str], str] | None) -> tuple[LayerMap, GradMeasurer]:
+        """The layer map and the measurer (FSDP: local pieces, summed by the step's one reduction).
+        A stepping engine's optimizer holds its own flat copies of the parameters (ZeRO's fp32
+        partitions): the layer map then names the module's parameters without following it."""
+        model, stepping = self.model, self.stepping
+        layers = LayerMap(model, layer_fn or self.config.measure.layer_pattern,
+                          optimizer=self.optimizer if stepping is None else None, root=self.shard_root)
+        in_opt = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        if stepping is None and layers.params and not any(id(p) in in_opt for p in layers.params):
+            raise UnsupportedSetupError("gradguard: none of the model's trainable parameters is in the optimizer. "
+                                        "Fix: pass the same model the optimizer was built from")
+        measurer = GradMeasurer(layers)
+        measurer.sharding = sharding(self.shard_root if self.shard_root is not None else model,
+                                     self.collective.world_size, self.reduce)
+        return layers, measurer
+
+    def _layers_joined(self) -> None:
+        """Parameters became trainable: the total-norm baseline starts over (a warm-up of its own)
+        rather than reading the larger norm as a spike; the takeover rule sees the new layers."""
+        self._layers_version = self.layers.version
+        self.detectors.grad.restart_total()
+        self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(self.model, self.layers))
+        self.emit({"type": "layers_joined", "step": self.step_count + 1, "layers": list(self.layers.layer_names)})
+
+    # -- measure -----------------------------------------------------------------------------------
+    def observe_loss(self, loss: torch.Tensor | float) -> None:
+        """Record one micro-batch loss (unscaled); the step's loss is their mean."""
+        value = loss.detach().float() if isinstance(loss, torch.Tensor) else float(loss)
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_n += 1
+
+    @property
+    def has_loss(self) -> bool:
+        """Micro-batch losses were observed since the last step."""
+        return self._loss_n > 0
+
+    def take_loss(self, loss: torch.Tensor | float | None = None) -> torch.Tensor | float | None:
+        """The step's loss (``loss``, else the mean of the observed micro-batch losses); forgets them."""
+        if loss is None and self._loss_n:
+            loss = self._loss_sum / self._loss_n  # type: ignore[operator]
+        self._loss_sum, self._loss_n = None, 0
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().float().mean() if loss.numel() > 1 else loss.detach()
+        return loss
+
+    def before_step(self, loss: torch.Tensor | float | None = None, *, scaler: Any = None,
+                    drop_on_skip: bool = False, engine_clip: EngineClip | None = None) -> StepReport:
+        """BEFORE_OPTIMIZER_STEP, gradients final and unscaled: measure (one sync), then
+        :meth:`decide`. ``drop_on_skip``: a skipped step also sets every grad to None (engines that
+        call ``optimizer.step()`` anyway). ``engine_clip``: a guard that does not clip, in an engine
+        that does: the same pass yields the engine's norm (:meth:`replay_engine_clip`)."""
+        step = self.step_count + 1
+        self.first_snapshot()
+        loss_v = self.take_loss(loss)
+        scale_t = scaler_scale(scaler)
+        found_t = scaler_found_inf(scaler, self.optimizer)
+        meas = self.measurer.measure([loss_v, scale_t, found_t], reduce=self.reduce, engine=engine_clip)
+        grads, self.measurer.last_grads = self.measurer.last_grads, []  # never held past this step
+        if self.layers.version != self._layers_version:
+            self._layers_joined()
+        loss_f, scale_f, found_f = meas.extras
+        sig = Signals(step=step, loss=None if loss_v is None else loss_f, total_norm=meas.total_norm,
+                      layer_norms=dict(zip(self.layers.layer_names, meas.layer_norms)),
+                      nonfinite_layers=meas.nonfinite_layers, scale=None if scale_t is None else scale_f,
+                      overflow=bool(found_t is not None and found_f > 0))
+        return self.decide(sig, grads, drop_on_skip=drop_on_skip, engine_norm=meas.engine_norm,
+                           engine_coef=meas.engine_coef)
+
+    # -- detect -> decide -> act ---------------------------------------------------------------------
+    def decide(self, sig: Signals, grads: list[torch.Tensor], *, drop_on_skip: bool = False,
+               engine_norm: float | None = None, engine_coef: Any = None,
+               engine_skipped: bool | None = None) -> StepReport:
+        """Detect, decide and act on one step's signals (already combined over processes).
+        ``grads``: this process's gradient tensors, clipped here in place. ``engine_skipped``:
+        None before the optimizer step; True/False after a stepping engine stepped (it skipped on
+        its own overflow, or applied the update: a skip then becomes a rollback)."""
+        findings = self.detectors.observe(sig)
+        decision = self._judge(sig, findings, engine_skipped)
+        report = StepReport(step=sig.step, applied=not decision.skip, skip_reason=decision.skip_reason,
+                            loss=sig.loss, total_norm=sig.total_norm, layer_norms=sig.layer_norms,
+                            scale=sig.scale, overflow=sig.overflow, findings=findings,
+                            blamed_on_data=decision.data_verdict, unstable=decision.unstable,
+                            engine_norm=engine_norm, engine_coef=engine_coef)
+        if engine_skipped is not None:
+            report.applied = not engine_skipped and not decision.skip
+        self._clip(sig, decision, report, grads, engine_skipped)
+        self.reporter.findings(findings)
+        self._verdicts(sig, decision, findings)
+        self._act(decision, report, engine_skipped)
+        self._settle_step(decision, report, drop_on_skip)
+        self._prepare_update(sig, report, engine_skipped)
+        self._last = report
+        return report
+
+    def _judge(self, sig: Signals, findings: list[Finding], engine_skipped: bool | None) -> Decision:
+        """The policy's decision; under a stepping engine that applied the step, a skip becomes a rollback."""
+        grad_ratio = self.detectors.grad.ratio(sig.total_norm)
+        decision = self.policy.decide(sig, findings, grad_ratio, weights_verified=self.rollback.verified)
+        if (engine_skipped is False and decision.skip and self.config.policy.act
+                and not any(a.name == "rollback" for a in decision.actions)):
+            name = self.stepping.name if self.stepping is not None else "engine"
+            decision.actions.insert(0, Action("rollback", sig.step, f"{decision.skip_reason}: the engine ({name}) "
+                                              "already applied the step", {"replaces": "skip"}))
+        return decision
+
+    def _clip(self, sig: Signals, decision: Decision, report: StepReport, grads: list[torch.Tensor],
+              engine_skipped: bool | None) -> None:
+        if not self.config.policy.act:
+            return
+        clip_to = report.clip_to = self.clip.threshold(sig.total_norm)
+        if engine_skipped is not None and self.stepping is not None:
+            before = self.stepping.clip()
+            report.clipped = bool(not engine_skipped and before and sig.total_norm > before)
+        elif not decision.skip:  # the gradients just measured (nothing ran in between)
+            report.clipped = self.clip.apply(grads, sig.total_norm, clip_to)
+        self.clip.observe(sig.total_norm, clip_to)
+
+    def _verdicts(self, sig: Signals, decision: Decision, findings: list[Finding]) -> None:
+        """The step's verdict for the trust tiers, and the context the LR cut reads."""
+        # a quiet stall in progress: weights saved now already carry it, so they are not confirmed
+        suspect = decision.suspect or self.detectors.takeover.suspect
+        healthy = not (decision.unstable or suspect) and sig.loss is not None and math.isfinite(sig.loss)
+        ckpt_healthy, ckpt_bad = step_verdict(findings, sig.loss, unstable=decision.unstable, suspect=suspect)
+        self.rollback.observe(sig.step, ring_healthy=healthy and not decision.skip, ckpt_healthy=ckpt_healthy,
+                              ckpt_bad=ckpt_bad)
+        self._failed_mult = self.lr.level()  # the level this step's instability happened at
+        # a takeover since the first steps (the body never learned): the LR is grossly too high, as
+        # with a blow-up before the run learned anything, so the LR gets the same deep cut
+        warm = self.config.detect.warmup_steps
+        from_start = any(f.kind == NORM_TAKEOVER and f.baseline is not None and f.baseline <= 3 * warm
+                         for f in findings)
+        # judged now, before a rollback restores earlier detector states
+        self._early_now = from_start or (self.applied_steps < warm and not self.detectors.loss.progressed())
+        decision.suspect = suspect
+
+    def _early(self) -> bool:
+        """The instability came before the run learned anything: a blow-up in the first steps of a
+        run whose loss never fell, or a takeover since the first steps. The LR is then grossly too
+        high and gets the deep cut (``lr.early_down_factor``); a warm-up overshoot after progress
+        gets the ordinary one."""
+        return self._early_now
+
+    def _act(self, decision: Decision, report: StepReport, engine_skipped: bool | None) -> None:
+        """Run the decision's actions through the actuators; a rollback discards the step."""
+        if any(a.name == "rollback" for a in decision.actions):
+            self.rollback.remember_escalation()
+            self._rollback_target(decision, report)
+        elif decision.data_verdict:
+            undone = self.rollback.undo_escalation(report.step)
+            if undone is not None:
+                report.actions.append(self.record(undone))
+        for a in decision.actions:
+            follow = self.execute(a)
+            report.actions.extend([a, *follow])
+            if a.name != "rollback":
+                continue
+            restored = "to_step" in a.params
+            report.applied = False  # the gradients came from the discarded weights
+            report.rolled_back = restored
+            report.skip_reason = report.skip_reason or (
+                "rolled back" if restored else "instability (no snapshot to roll back to)")
+            decision.skip = True
+            if engine_skipped is not None and not restored:
+                report.applied = not engine_skipped  # nothing to go back to: the update stays
+            if restored:
+                self.policy.last_escalation = None  # restored weights: no cooldown
+
+    def _rollback_target(self, decision: Decision, report: StepReport) -> None:
+        """A norm takeover found now began before its window: snapshots taken since then already
+        carry it, so the rollback goes to one from before (``not_after``)."""
+        window = self.config.detect.takeover_window
+        starts = [int(f.baseline) - window for f in report.findings if f.kind == NORM_TAKEOVER and f.baseline is not None]
+        for a in decision.actions:
+            if a.name == "rollback" and starts:
+                a.params["not_after"] = max(0, min(starts))
+
+    def _settle_step(self, decision: Decision, report: StepReport, drop_on_skip: bool) -> None:
+        """Healthy-period bookkeeping, the skip and the halt."""
+        causes = self.reporter.take_causes()  # later actions (relaxations, growth) answer none
+        act = self.config.policy.act
+        if decision.unstable:
+            self.lr.mark_unstable(self._failed_mult)
+            self.clip.reset_healthy()
+        elif act and not decision.skip:
+            relaxed = self.clip.tick_healthy()
+            if relaxed:
+                report.actions.append(self.record(Action("relax_clip", report.step, "stable period",
+                                                         {"from": relaxed[0], "to": relaxed[1]})))
+            recovered = self.lr.tick_healthy()
+            if recovered:
+                report.actions.append(self.record(Action("recover_lr", report.step, "stable period", recovered)))
+            report.healthy = not decision.suspect
+        if decision.skip:
+            self.skipped_steps += 1
+            self.emit({"type": "skip", "step": report.step, "reason": report.skip_reason or "skipped",
+                       "finding_ids": causes})
+            if drop_on_skip:
+                drop_grads(self.layers.params)
+            report.clipped = False
+        if decision.halt:
+            report.halt, report.applied = True, False
+            if drop_on_skip and not decision.skip:
+                drop_grads(self.layers.params)  # the halting step is never applied, in any engine
+            reason = next((a.reason for a in decision.actions if a.name == "halt"), "policy halt")
+            report.diagnosis = self.reporter.diagnosis(report, reason, self.run_state())
+            self.emit({"type": "halt", "step": report.step, "message": report.diagnosis["reason"],
+                       "finding_ids": causes, "diagnosis": report.diagnosis})
+            self.write_diagnosis(report.diagnosis)
+
+    def _prepare_update(self, sig: Signals, report: StepReport, engine_skipped: bool | None) -> None:
+        """What the optimizer step runs with: the LRs to log, a copy for the update ratios, the
+        clip a stepping engine applies next."""
+        report.lr_multiplier = self.lr.current()
+        # the scheduler's LRs this optimizer step runs with (engines log after the scheduler moved on)
+        self._step_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        if engine_skipped is not None:
+            if self.stepping is not None and self.config.policy.act and self.config.clip.mode != "off":
+                self.stepping.set_clip(self.clip.threshold(sig.total_norm))
+        elif report.applied and (sig.step % self.config.measure.log_interval == 0
+                                 or (self.ratio_due is not None and self.ratio_due(sig.step))):
+            self._before_params = [t.clone() for t in self.layers.tensors()]
+
+    # -- account -----------------------------------------------------------------------------------
+    def after_step(self, report: StepReport, *, engine_logs: bool | None = None) -> None:
+        """AFTER_OPTIMIZER_STEP: what the detectors learn, counters, snapshots, metrics, alerts.
+
+        ``engine_logs``: None for an engine without a logging cadence of its own (the plain loop:
+        every sink gets the metrics every ``output.metrics_interval`` steps and at every step with an
+        event). True/False from an adapter whose engine logs on its own cadence and says whether it
+        logs this step: the engine-bound sinks then get a row only at an event step the engine does
+        not log, and on a logged step the full row waits in :attr:`pending_row` for the adapter."""
+        self.step_count = report.step
+        self.detectors.settle(teaches(report))  # before a snapshot stores the detectors
+        if report.applied:
+            self.applied_steps += 1
+            if report.healthy and self.batches is not None:  # changes that wait for the next step's data
+                grown = self.batches.maybe_grow(report.step)
+                if grown is not None:
+                    report.actions.append(self.record(grown))
+            self.rollback.applied(report.step, self.applied_steps)
+        if self._before_params is not None:
+            self._measure_update()
+        events = self.reporter.event_metrics(report)
+        due = report.step % self.config.output.metrics_interval == 0
+        self.pending_row = None
+        if due or events or engine_logs:
+            row = {**self.metrics(report), **events}
+            self.reporter.log_row(report.step, row, due=due, events=bool(events), engine_logs=engine_logs)
+            if engine_logs:
+                self.pending_row = row
+        self.reporter.alert(report, self.lr.global_mult, self.clip.max_norm)
+        self.reporter.end_step(report.step)
+
+    def metrics(self, report: StepReport) -> dict[str, float]:
+        """The step's metric row (run-level values, per-layer norms, LRs, action counts, update ratios)."""
+        lrs = self._step_lrs or [float(g["lr"]) for g in self.optimizer.param_groups]
+        m = self.reporter.metrics(report, skipped=self.skipped_steps, level=self.policy.level,
+                                  max_norm=self.clip.max_norm if self.config.clip.mode != "off" else None, lrs=lrs)
+        if self._before_params is not None:
+            self._measure_update()
+        m.update(self._ratios)
+        return m
+
+    def _measure_update(self) -> None:
+        """Update ratio and weight norm per layer from the copy taken before the optimizer step."""
+        assert self._before_params is not None
+        ratios, wn = self.measurer.update_ratios(self._before_params)
+        self._before_params = None
+        self._ratios = {}
+        for name, r, w in zip(self.layers.layer_names, ratios, wn):
+            self._ratios[f"{M.UPDATE_RATIO_LAYER}/{metric_key(name)}"] = r
+            self._ratios[f"{M.PARAM_NORM_LAYER}/{metric_key(name)}"] = w
+
+    # -- engine API: events, data, checkpoints, batches ------------------------------------------
+    def emit(self, event: dict[str, Any]) -> None:
+        """Send an event to every sink (adapters' own events: saves, resizes...)."""
+        self.reporter.emit(event)
+
+    def execute(self, a: Action) -> list[Action]:
+        """Carry action ``a`` out through the actuators and record it; returns the follow-up
+        actions it caused (recorded too: the data window skipped after a rollback)."""
+        follow = self.actuators.run(a)
+        self.record(a)
+        for f in follow:
+            self.record(f)
+        return follow
+
+    def record(self, action: Action) -> Action:
+        """Count and log an action (the core's, or one an adapter took: an out-of-memory retry)."""
+        return self.reporter.record(action)
+
+    def first_snapshot(self) -> None:
+        """The initial (or resumed) weights, before any update: snapshotted once, before the first step."""
+        self.rollback.first_snapshot(self.step_count)
+
+    def engine_skipped(self, report: StepReport, reason: str) -> None:
+        """The engine skipped a step the guard let through (DeepSpeed's own overflow check)."""
+        if not report.applied:
+            return
+        report.applied, report.skip_reason, report.clipped = False, reason, False
+        self.skipped_steps += 1
+        self.emit({"type": "skip", "step": report.step, "reason": reason, "finding_ids": []})
+
+    def discard_loss(self) -> None:
+        """Forget the micro-batch losses observed since the last step."""
+        self.take_loss(None)
+
+    def discard_step(self) -> None:
+        """Count an optimizer step whose data was discarded without calling ``before_step``."""
+        self.step_count += 1
+        self.skipped_steps += 1
+        self.emit({"type": "skip", "step": self.step_count, "reason": "batch discarded by the engine",
+                   "finding_ids": []})
+
+    def replay_engine_clip(self, report: StepReport) -> torch.Tensor | None:
+        """Apply the engine's own clip measured by ``before_step(engine_clip=...)``, bit-identical to
+        ``clip_grad_norm_``; returns its total-norm tensor, or None (the caller then clips itself)."""
+        return self.measurer.replay_clip(report.engine_coef)
+
+    @property
+    def last_report(self) -> StepReport | None:
+        """The report of the latest ``before_step``."""
+        return self._last
+
+    def attach_data_skip(self, fn: DataSkip) -> None:
+        """The engine's "skip upcoming samples": after a rollback, ``fn(action)`` makes the data of
+        the next ``action.params["batches"]`` optimizer steps not computed and returns how."""
+        self.rollback.data_skip = fn
+
+    def attach_checkpoints(self, source: CheckpointSource) -> None:
+        """Use the engine's own checkpoints as the rollback disk tier (not with sharded parameters).
+        The adapter reports each save with :meth:`checkpoint_saved`."""
+        if self.rollback.attach_checkpoints(source, sharded=self.measurer.sharding is not None) \
+                and self.config.policy.act:
+            self.actuators.register("rollback", self.rollback)
+
+    def checkpoint_saved(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> None:
+        """The engine wrote a checkpoint after update ``step`` (on every process: decisions must match)."""
+        self.rollback.checkpoint_saved(step, paths)
+
+    def attach_batches(self, controller: Any) -> None:
+        """Let the policy resize the batch (``controller``: a :class:`gradguard.contract.LoaderHandle`)."""
+        self.batches = BatchResizer(controller, self.config, self.lr, self.clip)
+        self.actuators.register("shrink_batch", self.batches.shrink)
+
+    def scale_to_keep(self, report: StepReport) -> float | None:
+        """The loss scale to put back after the engine's GradScaler update, or None to let it halve.
+        Overflows that several halvings did not cure (a streak), or that restored weights meet,
+        come from the forward pass or the data, not from the scale."""
+        if not (self.config.policy.act and report.overflow and report.scale):
+            return None
+        if report.blamed_on_data or any(f.kind == "overflow_streak" for f in report.findings):
+            return float(report.scale)
+        return None
+
+    def keep_scale(self, report: StepReport, scaler: Any) -> bool:
+        """After the engine's GradScaler update: put back the scale :meth:`scale_to_keep` wants."""
+        keep = self.scale_to_keep(report)
+        return keep is not None and set_scaler_scale(scaler, keep)
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The clip threshold the guard applies now (None when it does not clip)."""
+        if not self.config.policy.act or self.config.clip.mode == "off":
+            return None
+        return float(self.clip.max_norm)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters the guard watches (in layer-map order)."""
+        return list(self.layers.params)
+
+    def drop_grads(self) -> None:
+        """Set every watched parameter's grad to None (the engine's optimizer step becomes a no-op)."""
+        drop_grads(self.layers.params)
+
+    @contextlib.contextmanager
+    def deciding_inside_step(self, active: bool = True) -> Iterator[None]:
+        """For engines that call the pre-step hook from inside ``optimizer.step()`` (Lightning's
+        closure without a GradScaler): the LR multiplier's pre-hook already ran; it is undone for
+        the decision and applied again after it."""
+        if not active:
+            yield
+            return
+        self.lr.suspend()
+        try:
+            yield
+        finally:
+            self.lr.rearm()
+            sync_local_param_groups(self.optimizer)  # ZeroRedundancyOptimizer: this step's settings
+
+    # -- reporting (see gradguard.reporting) -------------------------------------------------------
+    @property
+    def sinks(self) -> list[Sink]:
+        return self.reporter.sinks
+
+    @property
+    def log_path(self) -> str | None:
+        return self.reporter.log_path
+
+    @property
+    def diagnosis_path(self) -> str | None:
+        return self.reporter.diagnosis_path
+
+    @property
+    def action_counts(self) -> Any:
+        """How many times each action was taken (a Counter)."""
+        return self.reporter.action_counts
+
+    @property
+    def n_findings(self) -> int:
+        return self.reporter.n_findings
+
+    @property
+    def snapshots(self) -> Any:
+        return self.rollback.snapshots
+
+    @property
+    def checkpoint_tier(self) -> Any:
+        return self.rollback.checkpoint_tier
+
+    def send_live(self, step: int, metrics: dict[str, float]) -> None:
+        """Send a row to the engine-bound sinks only (the per-layer values kept off an engine's printed log)."""
+        self.reporter.send_live(step, metrics)
+
+    def add_live_sinks(self, sinks: list[Sink]) -> None:
+        """Add sinks an adapter built around the engine's own run or writer (after construction)."""
+        self.reporter.add_sinks(sinks)
+
+    def set_console_writer(self, write: Callable[[str, Any], None]) -> None:
+        """Route the console lines through the engine's progress display (``write(line, stream)``)."""
+        self.reporter.set_console_writer(write)
+
+    def set_engine_step(self, fn: Callable[[int], int]) -> None:
+        """The event log's records carry ``engine_step = fn(step)`` (Lightning logs at another x)."""
+        self.reporter.set_engine_step(fn)
+
+    def write_diagnosis(self, diagnosis: dict[str, Any], folder: str | None = None) -> str | None:
+        """Write ``diagnosis.json`` (next to the event log unless ``folder``; on rank 0 only)."""
+        return self.reporter.write_diagnosis(diagnosis, folder)
+
+    def run_state(self) -> dict[str, Any]:
+        """The run's counters and settings now (for the diagnosis and the summary). ``final_lr``:
+        the first group's LR the optimizer runs with now, the multiplier in force included."""
+        groups = self.optimizer.param_groups
+        final_lr = float(groups[0]["lr"]) * self.lr.current() if groups and "lr" in groups[0] else None
+        return {"steps": self.step_count, "applied": self.applied_steps, "skipped": self.skipped_steps,
+                "lr_multiplier": self.lr.global_mult, "final_lr": final_lr, "max_grad_norm": self.clip.max_norm}
+
+    def summary(self) -> dict[str, Any]:
+        return self.reporter.summary(self.run_state())
+
+    def close(self) -> dict[str, Any]:
+        """Write the summary, close the sinks and take the LR hooks off the optimizer (idempotent)."""
+        summary = self.summary()
+        self.lr.remove()  # the optimizer runs at the user's LR again
+        if self.stepping is not None and hasattr(self.stepping, "release"):
+            self.stepping.release()  # the engine clips as the user configured it again
+        self.rollback.close()
+        self.reporter.close(summary)
+        return summary
+
+    def detach(self) -> dict[str, Any]:
+        """Remove the guard's optimizer hooks and close its sinks (end of an engine run)."""
+        return self.close()
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        rb = self.rollback.state_dict()
+        rep = self.reporter
+        return {
+            "version": STATE_VERSION, "step_count": self.step_count, "applied_steps": self.applied_steps,
+            "skipped_steps": self.skipped_steps, "n_findings": rep.n_findings, "verified": rb["verified"],
+            "action_counts": dict(rep.action_counts), "culprits": dict(rep.culprits),
+            "detectors": self.detectors.state_dict(), "policy": self.policy.state_dict(),
+            "clip": self.clip.state_dict(), "lr": self.lr.state_dict(), "adam": self.adam.state_dict(),
+            "snapshots": rb["snapshots"], "checkpoints": rb["checkpoints"],
+            "grow_healthy": self.batches.healthy if self.batches is not None else 0,
+            "model_signature": model_signature(self.model, self.shard_root),
+            "config": self.config.to_dict(),  # compared on resume: gradguard.resume
+            "action_log": rep.advice_log(),  # the advice of a resumed run still sees them
+        }
+
+    def checkpoint_state(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> dict[str, Any]:
+        """The state to write into the engine checkpoint being saved after update ``step`` at
+        ``paths``: :meth:`state_dict` with that checkpoint already in the rollback tier (engines
+        serialise their callbacks' state before announcing the save). Changes nothing."""
+        state = self.state_dict()
+        state["checkpoints"] = self.rollback.checkpoint_tier.state_with(step, list(paths))
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Validate the whole state (version, model signature, every entry), then apply it; a
+        ``gradguard.state.StateError`` means nothing was changed. A state saved with another config
+        follows the resume rule of :mod:`gradguard.resume` (each conflict warned once)."""
+        load_core_state(self, state, self._apply_state, STATE_VERSION)
+        reconcile(self, state.get("config"))
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        self.step_count = state["step_count"]
+        self.applied_steps = state["applied_steps"]
+        self.skipped_steps = state["skipped_steps"]
+        self.reporter.load_counts(state)
+        self.detectors.load_state_dict(state["detectors"])
+        self.policy.load_state_dict(state["policy"])
+        self.clip.load_state_dict(state["clip"])
+        self.lr.load_state_dict(state["lr"])
+        self.adam.load_state_dict(state["adam"])
+        self.rollback.load_state_dict(state)
+        if self.batches is not None:
+            self.batches.healthy = int(state.get("grow_healthy", 0))
+
+    def start_at(self, step: int) -> None:
+        """A fresh guard joining a run after update ``step`` (resumed without a saved guard state):
+        its step numbers follow the engine's; the detectors warm up as in a new run."""
+        if self.step_count == 0 and step > 0:
+            self.step_count = int(step)
