@@ -3,7 +3,21 @@
 
 from __future__ import annotations
 
-__all__ = ["M"]
+__all__ = ["M", "VERSION"]
+
+
+def _version() -> str:
+    """The installed distribution's version (package metadata), else the source tree's literal."""
+    try:
+        from importlib.metadata import version
+
+        return version("gradguard")
+    except Exception:  # noqa: BLE001 - not installed (a source checkout on sys.path)
+        return "0.1.0"
+
+
+VERSION = _version()
+"""``gradguard.__version__``."""
 
 
 class M:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
 from typing import Any, TextIO
 
-from . import _io, logdir
+from . import _io, errors, logdir
 from .errors import warn
 from .names import M
 
@@ -274,6 +275,11 @@ class ConsoleSink(Sink):
         self.extra_paths: list[tuple[str, str]] = []
 
     def _print(self, line: str) -> None:
+        # Every line is also an INFO record of the "gradguard" logger; the logger's level above
+        # WARNING (logging.getLogger("gradguard").setLevel(logging.ERROR)) quiets the console.
+        if errors.logger.getEffectiveLevel() > logging.WARNING:
+            return
+        errors.logger.info(line)
         line = f"{self.prefix} {line}"
         if self.write is not None:
             try:
