@@ -2,7 +2,14 @@
 
 Loss with event markers, a per-layer grad-norm heatmap (layer x step, log colour), clip / LR /
 loss-scale timelines, the findings -> actions table, a written diagnosis and the advice for the
-next run. Plots are plotly figures with plotly.js embedded inline: the file opens without network.
+next run. Plots are plotly figures. Where plotly.js comes from (``plotlyjs=``):
+
+* ``"directory"`` (default): ``plotly.min.js`` is written once per folder next to the report (4.8 MB,
+  shared by every report in that folder) and referenced by a relative path: opens offline as long
+  as the two files stay together;
+* ``"inline"``: embedded in the HTML: one self-contained file (about 5 MB) that opens offline
+  anywhere (to mail or attach);
+* ``"cdn"``: loaded from the plotly CDN: the smallest file, needs network to open.
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ from .errors import ConfigError
 from .measure import metric_key
 from .sinks import M
 
-__all__ = ["find_log", "read_log", "diagnose", "build_report", "write_report"]
+__all__ = ["find_log", "read_log", "diagnose", "build_report", "write_report", "PLOTLYJS_MODES"]
+
+PLOTLYJS_MODES = ("directory", "inline", "cdn")
+"""Where the report's plotly.js comes from (see the module docstring)."""
+PLOTLYJS_FILE = "plotly.min.js"
 
 _SEVERE = ("warning", "critical")
 
@@ -316,14 +327,22 @@ table.gg td,table.gg th{border:1px solid #ccc;padding:4px 8px;vertical-align:top
 .diag{background:#f6f8fa;border-left:4px solid #d62728;padding:8px 14px}.meta{color:#666;font-size:12px}"""
 
 
-def build_report(records: list[dict[str, Any]], title: str = "gradguard report") -> str:
-    """The HTML text of the report (plotly.js inline, no external resource)."""
+def build_report(records: list[dict[str, Any]], title: str = "gradguard report", *,
+                 plotlyjs: str = "inline") -> str:
+    """The HTML text of the report. ``plotlyjs``: ``"inline"`` (embedded, no external resource),
+    ``"directory"`` (a ``<script src="plotly.min.js">`` next to the file; :func:`write_report`
+    writes that file) or ``"cdn"``."""
+    if plotlyjs not in PLOTLYJS_MODES:
+        raise ConfigError(f"gradguard report: plotlyjs={plotlyjs!r} is not one of {', '.join(PLOTLYJS_MODES)}")
     run = _Run(records)
     figs = [("loss", _loss_figure(run)), ("heatmap", _heatmap_figure(run)), ("timelines", _timelines_figure(run))]
     parts = []
+    first = {"inline": True, "cdn": "cdn", "directory": False}[plotlyjs]
     for i, (name, fig) in enumerate(figs):
-        parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0), div_id=f"gg-{name}",
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=first if i == 0 else False, div_id=f"gg-{name}",
                                  config={"displaylogo": False, "responsive": True}))
+    if plotlyjs == "directory":
+        parts[0] = f'<script charset="utf-8" src="{PLOTLYJS_FILE}"></script>' + parts[0]
     diag = "".join(f"<li>{html.escape(s)}</li>" for s in diagnose(run.records))
     advice = advise_from_records(run.records)
     adv = "".join(f"<li>{html.escape(s)}</li>" for s in advice["lines"])
@@ -339,17 +358,38 @@ def build_report(records: list[dict[str, Any]], title: str = "gradguard report")
             f"<h2>Findings &rarr; actions</h2><div id='gg-table'>{_table(run)}</div></body></html>")
 
 
-def write_report(run_dir: str, out: str | None = None) -> str:
+def write_report(run_dir: str, out: str | None = None, *, plotlyjs: str = "directory") -> str:
     """Write the report of the run whose log is in ``run_dir`` (or is ``run_dir``); returns its path
-    (default: ``report.html`` next to the log)."""
+    (default: ``report.html`` next to the log). ``plotlyjs="directory"`` (default) also writes
+    ``plotly.min.js`` into the report's folder unless it is there already; ``"inline"`` makes one
+    self-contained file; ``"cdn"`` loads plotly.js from the network."""
     log = find_log(run_dir)
     records = read_log(log)
     if not any(r.get("type") in ("start", "metrics") for r in records):
         raise ConfigError(f"gradguard report: {log} holds no gradguard records. Fix: pass a gradguard events.jsonl")
     out = out or os.path.join(os.path.dirname(os.path.abspath(log)), "report.html")
     text = build_report(records, title=f"gradguard report: {os.path.basename(os.path.dirname(os.path.abspath(log)))}"
-                        f"/{os.path.basename(log)}")
-    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+                        f"/{os.path.basename(log)}", plotlyjs=plotlyjs)
+    folder = os.path.dirname(os.path.abspath(out)) or "."
+    os.makedirs(folder, exist_ok=True)
+    if plotlyjs == "directory":
+        _write_plotlyjs(folder)
     with open(out, "w", encoding="utf-8") as fh:
         fh.write(text)
     return out
+
+
+def _write_plotlyjs(folder: str) -> str:
+    """``plotly.min.js`` of the installed plotly in ``folder``, once (kept when it is there and of the
+    same size); written to a temporary name first so a reader never sees half a file."""
+    from plotly.offline import get_plotlyjs
+
+    path = os.path.join(folder, PLOTLYJS_FILE)
+    js = get_plotlyjs()
+    if os.path.isfile(path) and os.path.getsize(path) == len(js.encode("utf-8")):
+        return path
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(js)
+    os.replace(tmp, path)
+    return path
