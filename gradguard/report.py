@@ -27,7 +27,7 @@ from .errors import ConfigError
 from .measure import metric_key
 from .sinks import M
 
-__all__ = ["find_log", "read_log", "diagnose", "build_report", "write_report", "PLOTLYJS_MODES"]
+__all__ = ["find_log", "read_log", "diagnose", "pre_instability_level", "build_report", "write_report", "PLOTLYJS_MODES"]
 
 PLOTLYJS_MODES = ("directory", "inline", "cdn")
 """Where the report's plotly.js comes from (see the module docstring)."""
@@ -132,8 +132,40 @@ class _Run:
 
 
 # -- the written diagnosis ------------------------------------------------------------------------------
+_WHAT = {"loss_spike": "the loss spiked", "grad_spike": "the gradient norm exploded",
+         "nonfinite_loss": "the loss became non-finite", "nonfinite_grad": "gradients became non-finite",
+         "norm_takeover": "a normalisation layer's gradient took over", "scale_collapse": "the loss scale collapsed",
+         "overflow_streak": "fp16 overflows repeated"}
+# kinds where the named layers' gradients really blew up (a quiet norm takeover with a falling loss did not)
+_EXPLOSIVE = ("grad_spike", "nonfinite_grad")
+
+
+def pre_instability_level(run_records: Iterable[dict[str, Any]]) -> float | None:
+    """The loss level before the instability: the loss-spike detector's own baseline (its recent
+    loss) when the first finding is a loss spike, else the median of the last 10 step losses before
+    the first finding of any kind (never a spike's own loss). None without such losses."""
+    run = run_records if isinstance(run_records, _Run) else _Run(list(run_records))
+    if not run.findings:
+        return None
+    first = min(run.findings, key=lambda f: int(f.get("step", 0)))
+    step0 = int(first.get("step", 0))
+    if first.get("kind") == "loss_spike":
+        base = _num(first.get("baseline"))
+        if base is not None and math.isfinite(base):
+            return base
+    skipped = {int(r.get("step", -1)) for r in run.skips}
+    before = [v for x, v in zip(*run.series(M.LOSS)) if x < step0 and x not in skipped and v is not None][-10:]
+    if not before:
+        return None
+    return sorted(before)[len(before) // 2]
+
+
 def diagnose(records: Iterable[dict[str, Any]]) -> list[str]:
-    """A few sentences on what happened: where it started, what the guard did, whether it recovered."""
+    """A few sentences on what happened: where it started, what the guard did, whether it recovered.
+
+    Each sentence is checked against the event log: "Recovered by step N" only when the loss of a
+    step after the last instability and after the last rollback is at or below the pre-instability
+    level (:func:`pre_instability_level`: the loss before the first finding, not the spike)."""
     run = _Run(list(records))
     out: list[str] = []
     severe = [f for f in run.findings if f.get("severity") in _SEVERE]
@@ -144,13 +176,14 @@ def diagnose(records: Iterable[dict[str, Any]]) -> list[str]:
         return out
     first = severe[0] if severe else run.halts[0]
     step0 = int(first.get("step", 0))
+    kind = str(first.get("kind", ""))
     layers = first.get("layers") or first.get("moved_layers") or []
-    what = {"loss_spike": "the loss spiked", "grad_spike": "the gradient norm exploded",
-            "nonfinite_loss": "the loss became non-finite", "nonfinite_grad": "gradients became non-finite",
-            "norm_takeover": "a normalisation layer's gradient took over", "scale_collapse": "the loss scale collapsed",
-            "overflow_streak": "fp16 overflows repeated"}.get(first.get("kind", ""), first.get("kind", "instability"))
-    if first.get("layers"):
+    what = _WHAT.get(kind, kind or "instability")
+    if first.get("layers") and kind in _EXPLOSIVE:
         out.append(f"{', '.join(layers[:3])} exploded first at step {step0} ({what}: {first.get('message', '')}).")
+    elif first.get("layers"):
+        out.append(f"First instability at step {step0}: {what} in {', '.join(layers[:3])} "
+                   f"({first.get('message', '')}).")
     elif layers:
         out.append(f"First instability at step {step0}: {what} ({first.get('message', '')}); the layers whose "
                    f"grad norm moved most: {', '.join(layers[:3])}.")
@@ -166,13 +199,13 @@ def diagnose(records: Iterable[dict[str, Any]]) -> list[str]:
         elif a["name"] == "lower_lr" and "to" in p:
             did.append(f"LR x{_num(p['to']):.3g} at step {a['step']}")
         elif a["name"] == "tighten_clip" and "to" in p:
-            did.append(f"clip tightened to {_num(p['to']):.3g}")
+            did.append(f"clip tightened to {_num(p['to']):.3g} at step {a['step']}")
         elif a["name"] == "adam" and "unavailable" not in p:
-            did.append("Adam beta2/eps adjusted")
+            did.append(f"Adam beta2/eps adjusted at step {a['step']}")
         elif a["name"] == "lower_layer_lr":
-            did.append("layer LR lowered for " + ", ".join(k for k in p if k != "rung"))
+            did.append("layer LR lowered for " + ", ".join(k for k in p if k != "rung") + f" at step {a['step']}")
         elif a["name"] == "shrink_batch" and "batch" in p:
-            did.append(f"batch shrunk to {p['batch'][1]}")
+            did.append(f"batch shrunk to {p['batch'][1]} at step {a['step']}")
         elif a["name"] != "halt":
             did.append(f"{a['name']} at step {a['step']}")
     if did:
@@ -184,10 +217,12 @@ def diagnose(records: Iterable[dict[str, Any]]) -> list[str]:
         out.append(f"Halted at step {h.get('step')}: {h.get('message', '')}.")
         return out
     last = int(severe[-1].get("step", step0)) if severe else step0
-    before = [v for x, v in zip(*run.series(M.LOSS)) if x < step0 and v is not None][-10:]
-    after = [(x, v) for x, v in zip(*run.series(M.LOSS)) if x > last and v is not None]
-    if before and after:
-        ref = sorted(before)[len(before) // 2]
+    rollbacks = [int(a.get("step", 0)) for a in run.actions if a.get("name") == "rollback"]
+    settled = max([last, *rollbacks])
+    skipped = {int(r.get("step", -1)) for r in run.skips}
+    ref = pre_instability_level(run)
+    after = [(x, v) for x, v in zip(*run.series(M.LOSS)) if x > settled and x not in skipped and v is not None]
+    if ref is not None and after:
         back = next((x for x, v in after if v <= ref), None)
         if back is not None:
             out.append(f"Recovered by step {back} (loss back to its pre-instability level {ref:.3g}); "
