@@ -341,10 +341,18 @@ class ConsoleSink(Sink):
         for label, path in paths:
             if path:
                 self._print(f"{label}: {path}")
+        if summary.get("log") and not summary.get("report"):
+            self._print(f"report: gradguard report {_quote(str(summary['log']))}")
         advice = summary.get("advice") or {}
         if advice.get("settings"):  # only when the guard had to change something
             for line in advice.get("lines", []):
                 self._print(f"next run: {line}")
+
+
+def _quote(path: str) -> str:
+    import shlex
+
+    return shlex.quote(path)
 
 
 def _fmt(v: Any) -> str:

@@ -538,3 +538,41 @@ def test_lightning_console_lines_never_share_a_line_with_the_progress_bar(tmp_pa
     mixed = [line for line in mine if bar_re.search(line) or not line.lstrip().startswith("[gradguard]")]
     assert not mixed, mixed[:3]
     assert sum("step 13:" in line for line in mine) == 1  # one line for the escalation step
+
+
+def test_hf_wandb_only_run_keeps_its_event_log_in_the_wandb_run_files(wandb_offline, tmp_path, monkeypatch, capsys):
+    """report_to=["wandb"] and no out_dir: the Trainer keeps no log folder, yet the event log is
+    written into the W&B run's files folder (uploaded with the run), from its ``start`` record on,
+    and the console summary names it and the ``gradguard report`` command."""
+    from gradguard.hf import GradGuardCallback
+    from gradguard.report import diagnose, read_log
+    from tests.test_hf import inject, make_trainer
+
+    monkeypatch.chdir(tmp_path)
+    cb = GradGuardCallback(gg.GuardConfig.preset("default", output={"console": True}))
+    trainer = make_trainer(tmp_path, [cb], steps=40, logging_steps=5, report_to=["wandb"])
+    inject(trainer, {20: 300.0, 21: 300.0})
+    trainer.train()
+    run_dir = wandb_offline.run.dir
+    wandb_offline.finish()
+    log = cb.core.log_path
+    assert log == os.path.join(run_dir, "gradguard", "events.jsonl")
+    records = read_log(log)
+    assert records[0]["type"] == "start" and records[0]["layers"] and records[-1]["type"] == "summary"
+    assert records[-1]["log"] == log and cb.summary["log"] == log
+    assert any(r["type"] == "action" for r in records) and diagnose(records)
+    err = capsys.readouterr().err
+    assert f"[gradguard] log: {log}" in err and f"[gradguard] report: gradguard report {log}" in err
+
+
+def test_an_event_log_elsewhere_is_saved_to_the_wandb_run(wandb_offline, tmp_path):
+    from gradguard.hf import GradGuardCallback
+    from tests.test_hf import cfg, make_trainer
+
+    cb = GradGuardCallback(cfg(tmp_path))
+    make_trainer(tmp_path, [cb], steps=6, report_to=["wandb"]).train()
+    files = wandb_offline.run.dir
+    wandb_offline.finish()
+    assert cb.core.log_path.startswith(str(tmp_path / "logs"))
+    saved = os.path.join(files, "gradguard", "events.jsonl")
+    assert os.path.exists(saved) and os.path.realpath(saved) == os.path.realpath(cb.core.log_path)

@@ -7,14 +7,26 @@ prefix: never a second run, never the same key twice (see ``GuardCore.after_step
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from .._compat import hf_callback_list
-from ..sinks import M, Sink, TensorBoardSink, WandbSink, is_headline
+from ..logdir import is_url
+from ..sinks import (
+    EVENT_SCHEMA_VERSION,
+    JSONLSink,
+    M,
+    Sink,
+    TensorBoardSink,
+    WandbSink,
+    is_headline,
+    package_versions,
+)
 from .setup import log_entries
 
 __all__ = ["PREFIX", "STEP_KEY", "bind_integrations", "is_logging_step", "layer_keys_out_of_print",
-           "move_ahead_of_reporters", "add_to_logs"]
+           "move_ahead_of_reporters", "add_to_logs", "event_log_with_wandb"]
 
 PREFIX = "train/"  # transformers' rewrite_logs
 STEP_KEY = "train/global_step"  # the x axis WandbCallback defines
@@ -34,6 +46,7 @@ def bind_integrations(callbacks: list[Any], sinks: list[Sink]) -> list[Sink]:
             wandb = None  # type: ignore[assignment]
         run = getattr(wandb, "run", None) if wandb is not None else None
         if run is not None:
+            new.extend(event_log_with_wandb(run, callbacks, sinks))
             mine = [s for s in sinks if isinstance(s, WandbSink) and s.run is run]
             if mine:
                 for s in mine:
@@ -47,6 +60,51 @@ def bind_integrations(callbacks: list[Any], sinks: list[Sink]) -> list[Sink]:
         sink.engine_bound = True
         new.append(sink)
     return new
+
+
+def _callback_of(callbacks: list[Any], sinks: list[Sink]) -> Any:
+    """The GradGuardCallback among ``callbacks`` whose core's sink list is ``sinks``."""
+    for cb in callbacks:
+        core = getattr(cb, "core", None)
+        if core is not None and getattr(core, "sinks", None) is sinks:
+            return cb
+    return None
+
+
+def event_log_with_wandb(run: Any, callbacks: list[Any], sinks: list[Sink]) -> list[Sink]:
+    """Keep the event log with the W&B run, so a run that reports only to W&B still has it where
+    its user looks. An event log elsewhere (``out_dir``, the TensorBoard folder) is saved to the run
+    (``run.save``, uploaded as it grows, under ``gradguard/``); with none (``report_to=["wandb"]``
+    and no ``out_dir``: no folder of the Trainer's to write into) the log is opened in the run's
+    files folder (``run.dir/gradguard/events.jsonl``, uploaded with the run), starting with the
+    ``start`` record, and the summary and console name it. Returns the sinks to add."""
+    logs = [s for s in sinks if isinstance(s, JSONLSink)]
+    if logs:
+        for log in logs:
+            if is_url(log.path):
+                continue
+            path = os.path.abspath(log.path)
+            try:
+                run.save(path, base_path=os.path.dirname(os.path.dirname(path)), policy="live")
+            except Exception:  # noqa: BLE001 - an upload that cannot be set up never stops training
+                pass
+        return []
+    cb = _callback_of(callbacks, sinks)
+    folder = getattr(run, "dir", None)
+    user_cfg = getattr(cb, "config", None)
+    if cb is None or not folder or not getattr(getattr(user_cfg, "output", None), "jsonl", True):
+        return []  # the user turned the event log off: none here either
+    core = cb.core
+    path = os.path.join(folder, "gradguard", "events.jsonl")
+    sink = JSONLSink(path)
+    if sink.error is not None:
+        return []
+    sink.log_event({"type": "start", "step": 0, "schema_version": EVENT_SCHEMA_VERSION,
+                    "versions": package_versions(), "layers": list(core.layers.layer_names),
+                    "optimizer": getattr(core, "_optimizer_at_start", None), "config": core.config.to_dict(),
+                    "time": time.time()})
+    core.log_path = path  # the summary (and its console line) names the log
+    return [sink]
 
 
 def is_logging_step(args: Any, state: Any, step: int) -> bool:
