@@ -23,7 +23,8 @@ VERSION = _version()
 class M:
     """Metric names (slash-separated, no dots). Per-layer names append ``/<layer>``."""
 
-    LOSS = "gradguard/loss"
+    LOSS = "gradguard/loss"  # the step's loss (mean over its micro-batches), in every sink and engine
+    LOSS_WINDOW_MEAN = "gradguard/loss_window_mean"  # HF: mean step loss of the logging window (HF's own "loss")
     GRAD_NORM = "gradguard/grad_norm/total"
     GRAD_NORM_LAYER = "gradguard/grad_norm"  # + /<layer>
     PARAM_NORM_LAYER = "gradguard/param_norm"  # + /<layer>

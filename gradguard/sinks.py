@@ -375,8 +375,9 @@ def alert_text(title: str, text: str, level: str) -> str:
 
 
 class TensorBoardSink(Sink):
-    """Metrics as TensorBoard scalars; actions and halts as text under ``gradguard/events``, alerts
-    under ``gradguard/alerts``.
+    """Metrics as TensorBoard scalars; actions and halts as text under ``gradguard/events`` (one
+    text entry per step, one line per action: a rollback, an LR cut and a clip change of one step
+    are three lines), alerts under ``gradguard/alerts``.
 
     ``log_dir``: a writer of its own. ``writer``: an engine's ``SummaryWriter`` (HF's
     ``TensorBoardCallback.tb_writer``, Lightning's ``TensorBoardLogger.experiment``): flushed, never
@@ -407,6 +408,7 @@ class TensorBoardSink(Sink):
             writer = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
         self.log_dir = log_dir if log_dir is not None else getattr(writer, "log_dir", None)
         self._writer: Any = writer
+        self._lines: tuple[int, list[str]] | None = None  # (step, the step's action lines not yet written)
         if layout:
             from .dashboards import tensorboard_layout
 
@@ -427,7 +429,24 @@ class TensorBoardSink(Sink):
     def log_event(self, event: dict[str, Any]) -> None:
         if self._writer is None or event.get("type") not in ("action", "halt"):
             return
-        self._writer.add_text(self.prefix + self.TEXT_TAG, _event_text(event), global_step=self._x(int(event.get("step") or 0)))
+        step = int(event.get("step") or 0)
+        if self._lines is not None and self._lines[0] != step:
+            self._flush_text()
+        if self._lines is None:
+            self._lines = (step, [])
+        self._lines[1].append(_event_text(event))
+
+    def _flush_text(self) -> None:
+        """The step's actions as one text entry (TensorBoard keeps one text per tag and step), one
+        Markdown line each."""
+        pending, self._lines = self._lines, None
+        if pending is None or self._writer is None:
+            return
+        step, lines = pending
+        self._writer.add_text(self.prefix + self.TEXT_TAG, "  \n".join(lines), global_step=self._x(step))
+
+    def end_step(self, step: int) -> None:
+        self._flush_text()
 
     def log_alert(self, level: str, title: str, text: str, step: int) -> None:
         if self._writer is None:
@@ -438,6 +457,7 @@ class TensorBoardSink(Sink):
     def close(self, summary: dict[str, Any] | None = None) -> None:
         if self._writer is None:
             return
+        self._flush_text()
         if summary:
             self._writer.add_text(self.prefix + "gradguard/summary", "```\n" + json.dumps(_clean(summary), indent=1,
                                                                                       default=str) + "\n```",
@@ -612,7 +632,8 @@ class WandbSink(Sink):
             return
         self._closed = True
         if self._rows:
-            table = {self.TABLE_KEY: self._wandb.Table(columns=list(self.COLUMNS), data=self._rows)}
+            # under the engine's prefix like every other key (HF: train/gradguard/actions)
+            table = {self.prefix + self.TABLE_KEY: self._wandb.Table(columns=list(self.COLUMNS), data=self._rows)}
             self.run.log(table)
         if len(self._points) > self._points_logged:
             chart = self._points_chart()

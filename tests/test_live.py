@@ -576,3 +576,65 @@ def test_an_event_log_elsewhere_is_saved_to_the_wandb_run(wandb_offline, tmp_pat
     assert cb.core.log_path.startswith(str(tmp_path / "logs"))
     saved = os.path.join(files, "gradguard", "events.jsonl")
     assert os.path.exists(saved) and os.path.realpath(saved) == os.path.realpath(cb.core.log_path)
+
+
+def test_hf_gradguard_loss_is_the_steps_loss_in_every_sink_and_the_print_switch(tmp_path, monkeypatch, capsys):
+    """One meaning per key: ``train/gradguard/loss`` in TensorBoard (through HF's report_to) at a
+    logging step is that step's loss, the JSONL value of the same step, not the window's mean (that
+    is ``gradguard/loss_window_mean``, HF's own ``loss``). ``print_metrics=False`` keeps every
+    gradguard key off the printed line; report_to still gets them."""
+    from gradguard.hf import GradGuardCallback
+    from tests.test_hf import cfg, make_trainer
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    cb = GradGuardCallback(cfg(tmp_path, output={"metrics_interval": 1}))
+    cb.print_metrics = False  # the switch (see docs/metrics.md)
+    trainer = make_trainer(tmp_path, [cb], steps=20, logging_steps=5, report_to=["tensorboard"],
+                           learning_rate=5e-3)
+    trainer.train()
+    printed = [line for line in capsys.readouterr().out.splitlines() if "'loss'" in line]
+    assert len(printed) == 4 and not any("gradguard/" in line for line in printed), printed
+    jsonl_loss = {r["step"]: r[M.LOSS] for r in jsonl(cb.core.log_path) if r["type"] == "metrics" and M.LOSS in r}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tb_loss = {e.step: e.value for e in acc.Scalars("train/" + M.LOSS)}
+    tb_mean = {e.step: e.value for e in acc.Scalars("train/" + M.LOSS_WINDOW_MEAN)}
+    assert sorted(tb_loss) == [5, 10, 15, 20]
+    for step, value in tb_loss.items():
+        assert value == pytest.approx(jsonl_loss[step], rel=1e-6)
+        window = [jsonl_loss[s] for s in range(step - 4, step + 1)]
+        assert tb_mean[step] == pytest.approx(sum(window) / 5, rel=1e-5)
+    assert any(abs(tb_loss[s] - tb_mean[s]) > 1e-4 for s in tb_loss)  # the two keys really differ
+
+
+def test_every_sink_writes_the_same_value_for_the_same_key_at_the_same_step(wandb_offline, tmp_path):
+    """A plain-loop run with JSONL, TensorBoard and W&B: every key every sink has, at every step,
+    is the same value (TensorBoard keeps float32)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from .test_sinks import _read_wandb_run, _run_guard
+
+    tb = gg.TensorBoardSink(str(tmp_path / "tb"))
+    wb = gg.WandbSink(project="gradguard-test", dir=str(tmp_path))
+    mem = _run_guard(tmp_path, [tb, wb])  # + the run's own JSONL log and a MemorySink
+    log = next(p for p in (tmp_path / "gradguard").glob("*.jsonl"))
+    jsonl_rows = {r["step"]: r for r in jsonl(str(log)) if r["type"] == "metrics"}
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    history, _ = _read_wandb_run(tmp_path)
+    wb_rows = {r["_step"]: r for r in history if "_step" in r}
+    checked = 0
+    for step, m in mem.metrics:
+        for key, value in m.items():
+            want = float(value)
+            j = jsonl_rows[step][key]
+            j = float(j) if isinstance(j, str) else j
+            assert (math.isnan(j) and math.isnan(want)) or j == pytest.approx(want, rel=1e-9), (key, step)
+            t = {e.step: e.value for e in acc.Scalars(key)}[step]
+            assert (math.isnan(t) and math.isnan(want)) or t == pytest.approx(want, rel=1e-6, abs=1e-7), (key, step)
+            if math.isfinite(want):  # W&B leaves nan/inf out (the JSONL and the event points keep them)
+                assert wb_rows[step][key] == pytest.approx(want, rel=1e-9), (key, step)
+            checked += 1
+    assert checked > 100

@@ -126,27 +126,40 @@ def _is_layer_key(key: str) -> bool:
     return key.startswith("gradguard/") and not is_headline(key)
 
 
-def layer_keys_out_of_print(callbacks: list[Any]) -> None:
+def _is_gradguard_key(key: str) -> bool:
+    return key.startswith("gradguard/")
+
+
+def layer_keys_out_of_print(callbacks: list[Any], everything: bool | None = None) -> None:
     """Per-layer ``gradguard/...`` values go into the Trainer's ``logs`` so that every
     ``report_to`` integration receives them (W&B, TensorBoard, MLflow, Comet, ...); this puts a
     filter right before the first callback that prints ``logs`` (the progress bar), which removes
-    them there: the printed line keeps only the run-level keys. Idempotent."""
+    them there: the printed line keeps only the run-level keys. ``everything=True`` removes every
+    ``gradguard/...`` key from the printed line (they still reach ``report_to``); None keeps the
+    filter's current setting. Idempotent."""
     from transformers.trainer_callback import TrainerCallback
 
-    if any(type(cb).__name__ == "_LayerKeysOutOfPrint" for cb in callbacks):
+    found = next((cb for cb in callbacks if type(cb).__name__ == "_LayerKeysOutOfPrint"), None)
+    if found is not None:
+        if everything is not None:
+            found.everything = everything
         return
     pos = next((i for i, cb in enumerate(callbacks) if type(cb).__name__ in _PRINTERS), None)
     if pos is None:
         return  # nothing prints the logs
 
     class _LayerKeysOutOfPrint(TrainerCallback):
+        def __init__(self, everything: bool) -> None:
+            self.everything = everything
+
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                    **kwargs: Any) -> None:
             if logs:
-                for key in [k for k in logs if _is_layer_key(k)]:
+                drop = _is_gradguard_key if self.everything else _is_layer_key
+                for key in [k for k in logs if drop(k)]:
                     del logs[key]
 
-    callbacks.insert(pos, _LayerKeysOutOfPrint())
+    callbacks.insert(pos, _LayerKeysOutOfPrint(bool(everything)))
 
 
 def add_to_logs(core: Any, state: Any, logs: dict[str, Any], window: list[float], layer_metrics: bool) -> None:
@@ -157,6 +170,12 @@ def add_to_logs(core: Any, state: Any, logs: dict[str, Any], window: list[float]
     row = core.pending_row if core.pending_row is not None else core.metrics(core.last_report)
     core.pending_row = None
     m = log_entries(row, window, True, M.NONFINITE_LOSS_STEPS)
+    # one meaning per key: gradguard/loss is the logged step's loss, as in the JSONL log and every
+    # other sink; the window's mean (what HF's own "loss" averages) has its own key
+    if M.LOSS in m:
+        m[M.LOSS_WINDOW_MEAN] = m.pop(M.LOSS)
+    if M.LOSS in row:
+        m[M.LOSS] = row[M.LOSS]
     head = {k: v for k, v in m.items() if is_headline(k)}
     logs.update(head)  # what the Trainer prints and hands to every report_to integration
     if layer_metrics:  # per-layer values: to every report_to integration, not printed
@@ -178,5 +197,6 @@ def move_ahead_of_reporters(callback: Any) -> bool:
     cbs.remove(callback)
     pos = next((i + 1 for i, c in enumerate(cbs) if isinstance(c, DefaultFlowCallback)), 0)
     cbs.insert(pos, callback)
-    layer_keys_out_of_print(cbs)
+    # ``callback.print_metrics = False``: no gradguard key on the printed line (report_to gets them all)
+    layer_keys_out_of_print(cbs, everything=not getattr(callback, "print_metrics", True))
     return True
