@@ -333,7 +333,13 @@ class ConsoleSink(Sink):
                  f"{summary.get('findings', 0)} findings, actions: {acts}"]
         if summary.get("lr_multiplier") is not None:
             lr = summary.get("final_lr")
-            parts.append(f"final LR x{_fmt(summary['lr_multiplier'])}" + (f" = {_fmt(lr)}" if lr is not None else ""))
+            mult, now = summary["lr_multiplier"], summary.get("lr_multiplier_now")
+            if now is not None and not math.isclose(float(now), float(mult), rel_tol=1e-9):
+                # a re-warm-up still under way: the LR in force is below the level it ramps to
+                parts.append(f"final LR x{_fmt(now)}" + (f" = {_fmt(lr)}" if lr is not None else "")
+                             + f" (re-warming up to x{_fmt(mult)})")
+            else:
+                parts.append(f"final LR x{_fmt(mult)}" + (f" = {_fmt(lr)}" if lr is not None else ""))
         if summary.get("max_grad_norm") is not None:
             parts.append(f"clip {_fmt(summary['max_grad_norm'])}")
         self._print("summary: " + "; ".join(parts))

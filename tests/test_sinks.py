@@ -211,3 +211,18 @@ def test_wandb_sink_missing_dependency(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ImportError, match=r"gradguard\[wandb\]"):
         gg.WandbSink()
+
+
+def test_console_summary_final_lr_reads_as_a_true_product():
+    """``final LR xM = LR``: M is the multiplier in force (``lr_multiplier_now``, the re-warm-up
+    ramp included) when the summary gives it, with the level it ramps to named."""
+    import io
+
+    out = io.StringIO()
+    gg.ConsoleSink(stream=out, write=lambda line, s: s.write(line + "\n")).close(
+        {"steps": 20, "lr_multiplier": 0.03, "lr_multiplier_now": 0.01962, "final_lr": 0.001962})
+    assert "final LR x0.01962 = 0.001962 (re-warming up to x0.03)" in out.getvalue()
+    out = io.StringIO()
+    gg.ConsoleSink(stream=out, write=lambda line, s: s.write(line + "\n")).close(
+        {"steps": 20, "lr_multiplier": 0.03, "final_lr": 0.003})
+    assert "final LR x0.03 = 0.003;" in out.getvalue() or out.getvalue().rstrip().endswith("final LR x0.03 = 0.003")
