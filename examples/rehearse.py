@@ -3,6 +3,12 @@ the faults a long run meets, then print what the guard saw and did about each on
 
     python examples/rehearse.py               # 160 steps on CPU, a few seconds
     python examples/rehearse.py --monitor     # the same faults with the "monitor" preset
+    python examples/rehearse.py --out /tmp/rehearse --tensorboard --wandb   # also to TensorBoard / W&B (offline)
+
+Needs only the base install (``--tensorboard``: the ``tensorboard`` extra, ``--wandb``: ``wandb``).
+Everything goes under ``--out`` (default: a new temporary folder): the event log
+``<out>/gradguard/events.jsonl`` (``gradguard report <out>`` makes its HTML report), snapshots,
+TensorBoard (``<out>/tb``) and W&B (``<out>/wandb``, offline unless ``WANDB_API_KEY`` is set).
 
 Swap in your own model, optimizer and data to rehearse your real setup before a long run.
 """
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import tempfile
 from typing import Any
 
@@ -40,6 +47,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--monitor", action="store_true", help="observe only (the 'monitor' preset)")
     ap.add_argument("--out", default=None, help="folder for the event log and snapshots (default: a temp dir)")
+    ap.add_argument("--tensorboard", action="store_true", help="also a TensorBoardSink (<out>/tb)")
+    ap.add_argument("--wandb", action="store_true", help="also a WandbSink (offline unless WANDB_API_KEY is set)")
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
@@ -54,7 +64,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 output={"dir": out, "console": False},
                                 recovery={"disk_dir": f"{out}/snapshots", "snapshot_interval": 10, "confirm_steps": 3})
     sink = gg.MemorySink()
-    guard = gg.Guard(model, opt, scaler=scaler, config=cfg, sinks=[sink], batches=batches)
+    sinks: list = [sink]
+    if args.tensorboard:
+        sinks.append(gg.TensorBoardSink(f"{out}/tb"))
+    if args.wandb:
+        sinks.append(gg.WandbSink(project="gradguard-examples", dir=out, name="rehearse",
+                                  mode="online" if os.environ.get("WANDB_API_KEY") else "offline"))
+    guard = gg.Guard(model, opt, scaler=scaler, config=cfg, sinks=sinks, batches=batches)
+    from gradguard.demo import Progress
+
+    bar = Progress("rehearse", args.steps) if args.progress else None
 
     s = args.steps
     faults = [
@@ -74,14 +93,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if i == s:
                 break
             guard.accumulate(step_batch, lambda mb: model(mb["x"], mb["y"]))
-            guard.step()
+            report = guard.step()
             opt.zero_grad(set_to_none=True)
+            if bar is not None:
+                bar(i + 1, report.loss if report.loss is not None else float("nan"))
     except gg.GradGuardHalt as exc:
         halted = exc.diagnosis["reason"]
     finally:
+        if bar is not None:
+            bar.close()
         for f in faults:
             f.detach()
         summary = guard.close()
+        if args.wandb:
+            import wandb
+
+            wandb.finish()
 
     eval_loss = evaluate(model, data.eval_batches(32, 4))
     finite = all(torch.isfinite(p).all() for p in model.parameters())
@@ -97,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         reaction = sorted({e.get("kind") or e.get("name") or e["type"] for e in seen})
         report[f.name] = {"fired": f.fired, "reaction": reaction}
         print(f"  {f.name:16s} fired at {f.fired[:6]}{'...' if len(f.fired) > 6 else ''}: {', '.join(reaction) or '-'}")
-    print(f"event log: {summary['log']}")
+    print(f"event log: {summary['log']}  (HTML report: gradguard report {summary['log']})")
     return {"faults": report, "halted": halted, "eval_loss": eval_loss, "finite": finite, "summary": summary}
 
 

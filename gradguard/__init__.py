@@ -19,7 +19,7 @@ from .guard import Guard
 from .policy import Action
 from .sinks import ConsoleSink, JSONLSink, M, MemorySink, Sink, TensorBoardSink, WandbSink
 
-__version__ = "0.1.0"
+__version__: str = __import__("gradguard.names", fromlist=["VERSION"]).VERSION  # metadata, else the literal
 
 __all__ = [
     "Guard", "GuardConfig", "GradGuardError", "ConfigError", "UnsupportedSetupError", "StateError",

@@ -11,7 +11,18 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["advise", "advise_from_records", "UNSTABLE_ACTIONS", "ADVICE_ACTIONS", "ADVICE_LOG_SIZE"]
+__all__ = ["advise", "advise_from_records", "UNSTABLE_ACTIONS", "ADVICE_ACTIONS", "ADVICE_LOG_SIZE", "ENGINES"]
+
+ENGINES = ("plain", "hf", "lightning")
+"""The engines whose own setting names the advice uses (``engine=``); any other value (or None)
+names all three."""
+
+# where each engine takes the setting: the clip threshold, the peak LR and the warm-up
+_CLIP = {"plain": "clip_grad_norm_(model.parameters(), max_norm={v:g})", "hf": "TrainingArguments(max_grad_norm={v:g})",
+         "lightning": "Trainer(gradient_clip_val={v:g})"}
+_LR = {"plain": "optimizer lr", "hf": "TrainingArguments(learning_rate=...)", "lightning": "optimizer lr in configure_optimizers"}
+_WARMUP = {"plain": "a linear LR warm-up over {v} steps (e.g. a LambdaLR)", "hf": "TrainingArguments(warmup_steps={v})",
+           "lightning": "a linear LR warm-up over {v} steps (a step-interval scheduler in configure_optimizers)"}
 
 UNSTABLE_ACTIONS = frozenset({"rollback", "lower_lr", "tighten_clip", "adam", "lower_layer_lr", "shrink_batch",
                               "skip_data", "halt"})
@@ -39,14 +50,37 @@ def _round_sig(x: float, digits: int = 2) -> float:
     return round(x, -int(math.floor(math.log10(abs(x)))) + digits - 1)
 
 
+def _clip_text(v: float, engine: str | None) -> str:
+    if engine in _CLIP:
+        return _CLIP[engine].format(v=v)
+    return (f"max grad norm {v:g} (HF: max_grad_norm={v:g}; Lightning: gradient_clip_val={v:g}; plain loop: "
+            f"clip_grad_norm_(..., max_norm={v:g}))")
+
+
+def _warmup_text(v: int, engine: str | None) -> str:
+    if engine in _WARMUP:
+        return _WARMUP[engine].format(v=v)
+    return f"linear LR warm-up over {v} steps (HF: warmup_steps={v})"
+
+
+def _lr_text(base: list[float], new: list[float]) -> str:
+    """Each distinct change once: ``0.1 -> 0.003`` for one value shared by every param group,
+    ``group 0: 0.1 -> 0.003, group 1: ...`` only where the groups differ."""
+    pairs = list(dict.fromkeys(zip(base, new)))
+    if len(pairs) == 1:
+        return f"{pairs[0][0]:g} -> {pairs[0][1]:g}"
+    return ", ".join(f"group {i}: {b:g} -> {n:g}" for i, (b, n) in enumerate(zip(base, new)))
+
+
 def advise(*, actions: list[dict[str, Any]], summary: dict[str, Any], config: dict[str, Any] | None = None,
-           optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
+           optimizer: dict[str, Any] | None = None, engine: str | None = None) -> dict[str, Any]:
     """Concrete settings for the next run, from the actions the guard took (JSONL ``action``
     records, oldest first), its summary (``lr_multiplier``, ``max_grad_norm``, ``steps``), its
     config (``GuardConfig.to_dict()``) and the optimizer's groups as the run started (the
     ``start`` record's ``optimizer``). The LR is the base LR x the multiplier set by the guard's
     last LR cut (the level that restored stability). Returns ``{"settings": {...}, "lines": [...]}``: settings
-    only for what the guard had to change, one readable line per setting with the reason."""
+    only for what the guard had to change, one readable line per setting with the reason, each
+    value stated once and named as ``engine`` (``"plain"``, ``"hf"``, ``"lightning"``) takes it."""
     config = config or {}
     groups = (optimizer or {}).get("groups") or []
     steps = int(summary.get("steps") or 0)
@@ -76,8 +110,9 @@ def advise(*, actions: list[dict[str, Any]], summary: dict[str, Any], config: di
         base = [_num(g.get("lr")) for g in groups]
         if base and all(b is not None for b in base):
             settings["lr"] = [_round_sig(b * mult) for b in base]  # type: ignore[operator]
-            shown = ", ".join(f"{b:g} -> {n:g}" for b, n in zip(base, settings["lr"]))
-            lines.append(f"peak LR x{settings['lr_factor']:g} ({shown}): the level that restored stability at "
+            shown = _lr_text(base, settings["lr"])  # type: ignore[arg-type]
+            where = f" as {_LR[engine]}" if engine in _LR else ""
+            lines.append(f"peak LR x{settings['lr_factor']:g} ({shown}{where}): the level that restored stability at "
                          f"step {cuts[-1].get('step')}{later}")
         else:
             lines.append(f"peak LR x{settings['lr_factor']:g}: the level that restored stability at step "
@@ -86,7 +121,7 @@ def advise(*, actions: list[dict[str, Any]], summary: dict[str, Any], config: di
     rewarm = int((config.get("lr") or {}).get("rewarm_steps") or 25)
     if first <= 3 * warmup_cfg and (not steps or first <= steps // 4):
         settings["warmup_steps"] = max(rewarm, 2 * first)
-        lines.append(f"linear LR warm-up over {settings['warmup_steps']} steps: the first instability came "
+        lines.append(f"{_warmup_text(settings['warmup_steps'], engine)}: the first instability came "
                      f"early (step {first})")
     clip_cfg = config.get("clip") or {}
     max_norm = _num(summary.get("max_grad_norm"))
@@ -96,7 +131,7 @@ def advise(*, actions: list[dict[str, Any]], summary: dict[str, Any], config: di
         clip = min([max_norm, *tightened]) if tightened else max_norm
         settings["max_grad_norm"] = _round_sig(clip)
         why = "the tightest threshold the guard needed" if tightened else "the threshold the guard clipped at"
-        lines.append(f"max_grad_norm={settings['max_grad_norm']:g}: {why}")
+        lines.append(f"{_clip_text(settings['max_grad_norm'], engine)}: {why}")
     adam = [a for a in actions if a.get("name") == "adam" and "unavailable" not in (a.get("params") or {})]
     if adam:
         change = next(iter(v for v in (adam[-1].get("params") or {}).values() if isinstance(v, dict)), None)
@@ -145,4 +180,5 @@ def advise_from_records(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         summary = {"steps": last_metrics.get("step", 0),
                    "lr_multiplier": last_metrics.get("gradguard/lr_multiplier"),
                    "max_grad_norm": last_metrics.get("gradguard/max_grad_norm")}
-    return advise(actions=actions, summary=summary, config=start.get("config"), optimizer=start.get("optimizer"))
+    return advise(actions=actions, summary=summary, config=start.get("config"), optimizer=start.get("optimizer"),
+                  engine=start.get("engine"))

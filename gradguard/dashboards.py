@@ -14,7 +14,7 @@ from typing import Any
 
 from .names import M
 
-__all__ = ["Panel", "EVENT_POINTS", "panels", "tensorboard_layout", "wandb_workspace", "wandb_workspace_spec",
+__all__ = ["Panel", "EVENT_POINTS", "ANY_PREFIX", "panels", "tensorboard_layout", "wandb_workspace", "wandb_workspace_spec",
            "create_wandb_workspace", "WORKSPACE_NAME"]
 
 WORKSPACE_NAME = "gradguard: training stability"
@@ -61,20 +61,39 @@ def panels(prefix: str = "") -> list[Panel]:
         Panel(main, "actions over time (cumulative)", regex=_rx(p, M.ACTION)),
         Panel(main, "every event (one series per name)", regex=_rx(p, M.EVENT)),
         Panel(main, "gradguard's events as points (W&B)", table=p + M.EVENT_POINTS + "_table"),
-        Panel(layers, "per-layer grad norm", regex=_rx(p, M.GRAD_NORM_LAYER), log_y=True),
+        # the per-layer lines only: the total (gradguard/grad_norm/total) has its own panel
+        Panel(layers, "per-layer grad norm", regex=_rx(p, M.GRAD_NORM_LAYER, r"(?!total$).+"), log_y=True),
         Panel(layers, "per-layer update/weight ratio", regex=_rx(p, M.UPDATE_RATIO_LAYER), log_y=True),
         Panel(layers, "per-layer parameter norm", regex=_rx(p, M.PARAM_NORM_LAYER), log_y=True),
     ]
 
 
+ANY_PREFIX = "(?:[^/]+/)?"
+"""What the TensorBoard layout allows before ``gradguard/``: nothing (plain loop, Lightning) or one
+engine namespace (HF's ``train/``)."""
+
+
 def tensorboard_layout(prefix: str = "") -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout (``SummaryWriter.add_custom_scalars``): one category per section,
-    one multiline chart per panel (TensorBoard treats every tag as a regular expression)."""
+    one multiline chart per panel (TensorBoard treats every tag as a regular expression).
+
+    The layout is the same for every engine: each tag accepts an optional engine namespace before
+    ``gradguard/`` (``prefix`` is accepted and ignored). TensorBoard merges the layouts of all runs
+    in a folder, dropping identical charts, so runs of the plain loop, Lightning and HF
+    (``train/gradguard/...``) in one folder share one set of charts instead of doubling them.
+
+    What a layout cannot say: TensorBoard's custom-scalars layout holds only tag expressions per
+    chart. Colours are TensorBoard's own, one per series (run and tag) in a multiline chart, and the
+    y axis is linear: switch a chart to a log axis with its "log scale" toggle (the LR, grad norm,
+    loss scale and per-layer charts read best on one; the W&B workspace sets it)."""
     out: dict[str, dict[str, list[Any]]] = {}
-    for panel in panels(prefix):
+    for panel in panels(""):
         if panel.table:
             continue  # a W&B table: TensorBoard has the event tags in "every event (one series per name)"
-        tags = [panel.regex] if panel.regex else ["^" + re.escape(n) + "$" for n in panel.y]
+        if panel.regex:
+            tags = ["^" + ANY_PREFIX + panel.regex[1:]]
+        else:
+            tags = ["^" + ANY_PREFIX + re.escape(n) + "$" for n in panel.y]
         out.setdefault(panel.section, {})[panel.title] = ["Multiline", tags]
     return out
 

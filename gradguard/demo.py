@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -52,8 +53,9 @@ TUNED = DemoSetting(lr=3e-3, warmup=30, clip=1.0)
 
 def train_run(setting: DemoSetting, *, guard_config: GuardConfig | None = None, out_dir: str | None = None,
               data: ByteBatches | None = None, eval_batches: list | None = None,
-              sinks: list | None = None) -> dict[str, Any]:
-    """Train once; returns final eval loss, non-finite steps, loss curve and the guard's summary."""
+              sinks: list | None = None, progress: Any = None) -> dict[str, Any]:
+    """Train once; returns final eval loss, non-finite steps, loss curve and the guard's summary.
+    ``progress(step, loss)`` is called after every step (the demo's progress bar)."""
     torch.manual_seed(setting.seed)
     gen = torch.Generator().manual_seed(setting.seed)
     data = data or ByteBatches(load_corpus(), setting.seq_len)
@@ -87,8 +89,13 @@ def train_run(setting: DemoSetting, *, guard_config: GuardConfig | None = None, 
             opt.zero_grad(set_to_none=True)
             nonfinite += not math.isfinite(lv)
             losses.append(lv)
+            if progress is not None:
+                progress(len(losses), lv)
     except GradGuardHalt as exc:
         halted = str(exc)
+    finally:
+        if progress is not None and hasattr(progress, "close"):
+            progress.close()
     seconds = time.perf_counter() - t0
     ev = evaluate(model, eval_batches)
     summary = guard.close() if guard is not None else None
@@ -111,13 +118,15 @@ def main(out: str | None = None, steps: int | None = None, seed: int = 0, quiet:
         f"Python stdlib text; AdamW lr={explosive.lr}, beta2={explosive.beta2}, eps={explosive.eps}, "
         f"no warmup, batch {explosive.batch_size}, no clipping; {explosive.steps} steps each.")
     runs = {}
+    bar = (lambda name: None) if quiet else (lambda name: Progress(name, explosive.steps))
     say("[1/3] unguarded ...")
-    runs["unguarded"] = train_run(explosive, data=data, eval_batches=ev)
+    runs["unguarded"] = train_run(explosive, data=data, eval_batches=ev, progress=bar("unguarded"))
     say("[2/3] guarded (GuardConfig()) ...")
     cfg = GuardConfig.preset("default", output={"dir": out, "console": not quiet, "metrics_interval": 1})
-    runs["guarded"] = train_run(explosive, guard_config=cfg, out_dir=out, data=data, eval_batches=ev)
+    runs["guarded"] = train_run(explosive, guard_config=cfg, out_dir=out, data=data, eval_batches=ev,
+                                progress=bar("guarded"))
     say("[3/3] reference: hand-tuned (lr 3e-3, 30 warmup steps, clip 1.0) ...")
-    runs["tuned"] = train_run(tuned, data=data, eval_batches=ev)
+    runs["tuned"] = train_run(tuned, data=data, eval_batches=ev, progress=bar("tuned"))
     table = format_table(runs)
     say(table)
     report = _write_report(runs["guarded"]["guard"]["log"], say)
@@ -132,6 +141,39 @@ def main(out: str | None = None, steps: int | None = None, seed: int = 0, quiet:
     return runs
 
 
+class Progress:
+    """A progress bar per demo arm on stderr: tqdm when installed, else one line every ``every``
+    steps (the base install has only torch)."""
+
+    def __init__(self, name: str, total: int, *, stream: Any = None, every: int | None = None) -> None:
+        self.name, self.total = name, total
+        self.stream = stream or sys.stderr
+        self.every = every or max(1, total // 10)
+        self.bar = None
+        self.t0 = time.perf_counter()
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None  # type: ignore[assignment]
+        if tqdm is not None and stream is None:
+            self.bar = tqdm(total=total, desc=f"{name:>9}", unit="step", file=self.stream, leave=True,
+                            dynamic_ncols=True)
+
+    def __call__(self, step: int, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"loss {loss:.3g}", refresh=False)
+        elif step % self.every == 0 or step == self.total:
+            rate = step / max(time.perf_counter() - self.t0, 1e-9)
+            print(f"  {self.name}: step {step}/{self.total}, loss {loss:.3g}, {rate:.1f} steps/s",
+                  file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def _write_report(log: str | None, say: Any) -> str | None:
     """The guarded run's HTML report next to its log (None without plotly or without a log)."""
     if not log:
@@ -141,7 +183,7 @@ def _write_report(log: str | None, say: Any) -> str | None:
 
         return write_report(log)
     except ImportError:
-        say("report: skipped (pip install 'gradguard[report]' for the HTML report)")
+        say("report: not written: the HTML report needs plotly (pip install 'gradguard[report]')")
         return None
 
 

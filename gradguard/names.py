@@ -3,13 +3,28 @@
 
 from __future__ import annotations
 
-__all__ = ["M"]
+__all__ = ["M", "VERSION"]
+
+
+def _version() -> str:
+    """The installed distribution's version (package metadata), else the source tree's literal."""
+    try:
+        from importlib.metadata import version
+
+        return version("gradguard")
+    except Exception:  # noqa: BLE001 - not installed (a source checkout on sys.path)
+        return "0.1.0"
+
+
+VERSION = _version()
+"""``gradguard.__version__``."""
 
 
 class M:
     """Metric names (slash-separated, no dots). Per-layer names append ``/<layer>``."""
 
-    LOSS = "gradguard/loss"
+    LOSS = "gradguard/loss"  # the step's loss (mean over its micro-batches), in every sink and engine
+    LOSS_WINDOW_MEAN = "gradguard/loss_window_mean"  # HF: mean step loss of the logging window (HF's own "loss")
     GRAD_NORM = "gradguard/grad_norm/total"
     GRAD_NORM_LAYER = "gradguard/grad_norm"  # + /<layer>
     PARAM_NORM_LAYER = "gradguard/param_norm"  # + /<layer>

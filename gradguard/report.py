@@ -2,7 +2,14 @@
 
 Loss with event markers, a per-layer grad-norm heatmap (layer x step, log colour), clip / LR /
 loss-scale timelines, the findings -> actions table, a written diagnosis and the advice for the
-next run. Plots are plotly figures with plotly.js embedded inline: the file opens without network.
+next run. Plots are plotly figures. Where plotly.js comes from (``plotlyjs=``):
+
+* ``"directory"`` (default): ``plotly.min.js`` is written once per folder next to the report (4.8 MB,
+  shared by every report in that folder) and referenced by a relative path: opens offline as long
+  as the two files stay together;
+* ``"inline"``: embedded in the HTML: one self-contained file (about 5 MB) that opens offline
+  anywhere (to mail or attach);
+* ``"cdn"``: loaded from the plotly CDN: the smallest file, needs network to open.
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ from .errors import ConfigError
 from .measure import metric_key
 from .sinks import M
 
-__all__ = ["find_log", "read_log", "diagnose", "build_report", "write_report"]
+__all__ = ["find_log", "read_log", "diagnose", "pre_instability_level", "build_report", "write_report", "PLOTLYJS_MODES"]
+
+PLOTLYJS_MODES = ("directory", "inline", "cdn")
+"""Where the report's plotly.js comes from (see the module docstring)."""
+PLOTLYJS_FILE = "plotly.min.js"
 
 _SEVERE = ("warning", "critical")
 
@@ -121,8 +132,40 @@ class _Run:
 
 
 # -- the written diagnosis ------------------------------------------------------------------------------
+_WHAT = {"loss_spike": "the loss spiked", "grad_spike": "the gradient norm exploded",
+         "nonfinite_loss": "the loss became non-finite", "nonfinite_grad": "gradients became non-finite",
+         "norm_takeover": "a normalisation layer's gradient took over", "scale_collapse": "the loss scale collapsed",
+         "overflow_streak": "fp16 overflows repeated"}
+# kinds where the named layers' gradients really blew up (a quiet norm takeover with a falling loss did not)
+_EXPLOSIVE = ("grad_spike", "nonfinite_grad")
+
+
+def pre_instability_level(run_records: Iterable[dict[str, Any]]) -> float | None:
+    """The loss level before the instability: the loss-spike detector's own baseline (its recent
+    loss) when the first finding is a loss spike, else the median of the last 10 step losses before
+    the first finding of any kind (never a spike's own loss). None without such losses."""
+    run = run_records if isinstance(run_records, _Run) else _Run(list(run_records))
+    if not run.findings:
+        return None
+    first = min(run.findings, key=lambda f: int(f.get("step", 0)))
+    step0 = int(first.get("step", 0))
+    if first.get("kind") == "loss_spike":
+        base = _num(first.get("baseline"))
+        if base is not None and math.isfinite(base):
+            return base
+    skipped = {int(r.get("step", -1)) for r in run.skips}
+    before = [v for x, v in zip(*run.series(M.LOSS)) if x < step0 and x not in skipped and v is not None][-10:]
+    if not before:
+        return None
+    return sorted(before)[len(before) // 2]
+
+
 def diagnose(records: Iterable[dict[str, Any]]) -> list[str]:
-    """A few sentences on what happened: where it started, what the guard did, whether it recovered."""
+    """A few sentences on what happened: where it started, what the guard did, whether it recovered.
+
+    Each sentence is checked against the event log: "Recovered by step N" only when the loss of a
+    step after the last instability and after the last rollback is at or below the pre-instability
+    level (:func:`pre_instability_level`: the loss before the first finding, not the spike)."""
     run = _Run(list(records))
     out: list[str] = []
     severe = [f for f in run.findings if f.get("severity") in _SEVERE]
@@ -133,13 +176,14 @@ def diagnose(records: Iterable[dict[str, Any]]) -> list[str]:
         return out
     first = severe[0] if severe else run.halts[0]
     step0 = int(first.get("step", 0))
+    kind = str(first.get("kind", ""))
     layers = first.get("layers") or first.get("moved_layers") or []
-    what = {"loss_spike": "the loss spiked", "grad_spike": "the gradient norm exploded",
-            "nonfinite_loss": "the loss became non-finite", "nonfinite_grad": "gradients became non-finite",
-            "norm_takeover": "a normalisation layer's gradient took over", "scale_collapse": "the loss scale collapsed",
-            "overflow_streak": "fp16 overflows repeated"}.get(first.get("kind", ""), first.get("kind", "instability"))
-    if first.get("layers"):
+    what = _WHAT.get(kind, kind or "instability")
+    if first.get("layers") and kind in _EXPLOSIVE:
         out.append(f"{', '.join(layers[:3])} exploded first at step {step0} ({what}: {first.get('message', '')}).")
+    elif first.get("layers"):
+        out.append(f"First instability at step {step0}: {what} in {', '.join(layers[:3])} "
+                   f"({first.get('message', '')}).")
     elif layers:
         out.append(f"First instability at step {step0}: {what} ({first.get('message', '')}); the layers whose "
                    f"grad norm moved most: {', '.join(layers[:3])}.")
@@ -155,13 +199,13 @@ def diagnose(records: Iterable[dict[str, Any]]) -> list[str]:
         elif a["name"] == "lower_lr" and "to" in p:
             did.append(f"LR x{_num(p['to']):.3g} at step {a['step']}")
         elif a["name"] == "tighten_clip" and "to" in p:
-            did.append(f"clip tightened to {_num(p['to']):.3g}")
+            did.append(f"clip tightened to {_num(p['to']):.3g} at step {a['step']}")
         elif a["name"] == "adam" and "unavailable" not in p:
-            did.append("Adam beta2/eps adjusted")
+            did.append(f"Adam beta2/eps adjusted at step {a['step']}")
         elif a["name"] == "lower_layer_lr":
-            did.append("layer LR lowered for " + ", ".join(k for k in p if k != "rung"))
+            did.append("layer LR lowered for " + ", ".join(k for k in p if k != "rung") + f" at step {a['step']}")
         elif a["name"] == "shrink_batch" and "batch" in p:
-            did.append(f"batch shrunk to {p['batch'][1]}")
+            did.append(f"batch shrunk to {p['batch'][1]} at step {a['step']}")
         elif a["name"] != "halt":
             did.append(f"{a['name']} at step {a['step']}")
     if did:
@@ -173,10 +217,12 @@ def diagnose(records: Iterable[dict[str, Any]]) -> list[str]:
         out.append(f"Halted at step {h.get('step')}: {h.get('message', '')}.")
         return out
     last = int(severe[-1].get("step", step0)) if severe else step0
-    before = [v for x, v in zip(*run.series(M.LOSS)) if x < step0 and v is not None][-10:]
-    after = [(x, v) for x, v in zip(*run.series(M.LOSS)) if x > last and v is not None]
-    if before and after:
-        ref = sorted(before)[len(before) // 2]
+    rollbacks = [int(a.get("step", 0)) for a in run.actions if a.get("name") == "rollback"]
+    settled = max([last, *rollbacks])
+    skipped = {int(r.get("step", -1)) for r in run.skips}
+    ref = pre_instability_level(run)
+    after = [(x, v) for x, v in zip(*run.series(M.LOSS)) if x > settled and x not in skipped and v is not None]
+    if ref is not None and after:
         back = next((x for x, v in after if v <= ref), None)
         if back is not None:
             out.append(f"Recovered by step {back} (loss back to its pre-instability level {ref:.3g}); "
@@ -316,14 +362,22 @@ table.gg td,table.gg th{border:1px solid #ccc;padding:4px 8px;vertical-align:top
 .diag{background:#f6f8fa;border-left:4px solid #d62728;padding:8px 14px}.meta{color:#666;font-size:12px}"""
 
 
-def build_report(records: list[dict[str, Any]], title: str = "gradguard report") -> str:
-    """The HTML text of the report (plotly.js inline, no external resource)."""
+def build_report(records: list[dict[str, Any]], title: str = "gradguard report", *,
+                 plotlyjs: str = "inline") -> str:
+    """The HTML text of the report. ``plotlyjs``: ``"inline"`` (embedded, no external resource),
+    ``"directory"`` (a ``<script src="plotly.min.js">`` next to the file; :func:`write_report`
+    writes that file) or ``"cdn"``."""
+    if plotlyjs not in PLOTLYJS_MODES:
+        raise ConfigError(f"gradguard report: plotlyjs={plotlyjs!r} is not one of {', '.join(PLOTLYJS_MODES)}")
     run = _Run(records)
     figs = [("loss", _loss_figure(run)), ("heatmap", _heatmap_figure(run)), ("timelines", _timelines_figure(run))]
     parts = []
+    first = {"inline": True, "cdn": "cdn", "directory": False}[plotlyjs]
     for i, (name, fig) in enumerate(figs):
-        parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0), div_id=f"gg-{name}",
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=first if i == 0 else False, div_id=f"gg-{name}",
                                  config={"displaylogo": False, "responsive": True}))
+    if plotlyjs == "directory":
+        parts[0] = f'<script charset="utf-8" src="{PLOTLYJS_FILE}"></script>' + parts[0]
     diag = "".join(f"<li>{html.escape(s)}</li>" for s in diagnose(run.records))
     advice = advise_from_records(run.records)
     adv = "".join(f"<li>{html.escape(s)}</li>" for s in advice["lines"])
@@ -339,17 +393,38 @@ def build_report(records: list[dict[str, Any]], title: str = "gradguard report")
             f"<h2>Findings &rarr; actions</h2><div id='gg-table'>{_table(run)}</div></body></html>")
 
 
-def write_report(run_dir: str, out: str | None = None) -> str:
+def write_report(run_dir: str, out: str | None = None, *, plotlyjs: str = "directory") -> str:
     """Write the report of the run whose log is in ``run_dir`` (or is ``run_dir``); returns its path
-    (default: ``report.html`` next to the log)."""
+    (default: ``report.html`` next to the log). ``plotlyjs="directory"`` (default) also writes
+    ``plotly.min.js`` into the report's folder unless it is there already; ``"inline"`` makes one
+    self-contained file; ``"cdn"`` loads plotly.js from the network."""
     log = find_log(run_dir)
     records = read_log(log)
     if not any(r.get("type") in ("start", "metrics") for r in records):
         raise ConfigError(f"gradguard report: {log} holds no gradguard records. Fix: pass a gradguard events.jsonl")
     out = out or os.path.join(os.path.dirname(os.path.abspath(log)), "report.html")
     text = build_report(records, title=f"gradguard report: {os.path.basename(os.path.dirname(os.path.abspath(log)))}"
-                        f"/{os.path.basename(log)}")
-    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+                        f"/{os.path.basename(log)}", plotlyjs=plotlyjs)
+    folder = os.path.dirname(os.path.abspath(out)) or "."
+    os.makedirs(folder, exist_ok=True)
+    if plotlyjs == "directory":
+        _write_plotlyjs(folder)
     with open(out, "w", encoding="utf-8") as fh:
         fh.write(text)
     return out
+
+
+def _write_plotlyjs(folder: str) -> str:
+    """``plotly.min.js`` of the installed plotly in ``folder``, once (kept when it is there and of the
+    same size); written to a temporary name first so a reader never sees half a file."""
+    from plotly.offline import get_plotlyjs
+
+    path = os.path.join(folder, PLOTLYJS_FILE)
+    js = get_plotlyjs()
+    if os.path.isfile(path) and os.path.getsize(path) == len(js.encode("utf-8")):
+        return path
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(js)
+    os.replace(tmp, path)
+    return path

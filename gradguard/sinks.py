@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
 from typing import Any, TextIO
 
-from . import _io, logdir
+from . import _io, errors, logdir
 from .errors import warn
 from .names import M
 
@@ -274,6 +275,11 @@ class ConsoleSink(Sink):
         self.extra_paths: list[tuple[str, str]] = []
 
     def _print(self, line: str) -> None:
+        # Every line is also an INFO record of the "gradguard" logger; the logger's level above
+        # WARNING (logging.getLogger("gradguard").setLevel(logging.ERROR)) quiets the console.
+        if errors.logger.getEffectiveLevel() > logging.WARNING:
+            return
+        errors.logger.info(line)
         line = f"{self.prefix} {line}"
         if self.write is not None:
             try:
@@ -327,7 +333,13 @@ class ConsoleSink(Sink):
                  f"{summary.get('findings', 0)} findings, actions: {acts}"]
         if summary.get("lr_multiplier") is not None:
             lr = summary.get("final_lr")
-            parts.append(f"final LR x{_fmt(summary['lr_multiplier'])}" + (f" = {_fmt(lr)}" if lr is not None else ""))
+            mult, now = summary["lr_multiplier"], summary.get("lr_multiplier_now")
+            if now is not None and not math.isclose(float(now), float(mult), rel_tol=1e-9):
+                # a re-warm-up still under way: the LR in force is below the level it ramps to
+                parts.append(f"final LR x{_fmt(now)}" + (f" = {_fmt(lr)}" if lr is not None else "")
+                             + f" (re-warming up to x{_fmt(mult)})")
+            else:
+                parts.append(f"final LR x{_fmt(mult)}" + (f" = {_fmt(lr)}" if lr is not None else ""))
         if summary.get("max_grad_norm") is not None:
             parts.append(f"clip {_fmt(summary['max_grad_norm'])}")
         self._print("summary: " + "; ".join(parts))
@@ -335,10 +347,18 @@ class ConsoleSink(Sink):
         for label, path in paths:
             if path:
                 self._print(f"{label}: {path}")
+        if summary.get("log") and not summary.get("report"):
+            self._print(f"report: gradguard report {_quote(str(summary['log']))}")
         advice = summary.get("advice") or {}
         if advice.get("settings"):  # only when the guard had to change something
             for line in advice.get("lines", []):
                 self._print(f"next run: {line}")
+
+
+def _quote(path: str) -> str:
+    import shlex
+
+    return shlex.quote(path)
 
 
 def _fmt(v: Any) -> str:
@@ -361,8 +381,9 @@ def alert_text(title: str, text: str, level: str) -> str:
 
 
 class TensorBoardSink(Sink):
-    """Metrics as TensorBoard scalars; actions and halts as text under ``gradguard/events``, alerts
-    under ``gradguard/alerts``.
+    """Metrics as TensorBoard scalars; actions and halts as text under ``gradguard/events`` (one
+    text entry per step, one line per action: a rollback, an LR cut and a clip change of one step
+    are three lines), alerts under ``gradguard/alerts``.
 
     ``log_dir``: a writer of its own. ``writer``: an engine's ``SummaryWriter`` (HF's
     ``TensorBoardCallback.tb_writer``, Lightning's ``TensorBoardLogger.experiment``): flushed, never
@@ -393,6 +414,7 @@ class TensorBoardSink(Sink):
             writer = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
         self.log_dir = log_dir if log_dir is not None else getattr(writer, "log_dir", None)
         self._writer: Any = writer
+        self._lines: tuple[int, list[str]] | None = None  # (step, the step's action lines not yet written)
         if layout:
             from .dashboards import tensorboard_layout
 
@@ -413,7 +435,24 @@ class TensorBoardSink(Sink):
     def log_event(self, event: dict[str, Any]) -> None:
         if self._writer is None or event.get("type") not in ("action", "halt"):
             return
-        self._writer.add_text(self.prefix + self.TEXT_TAG, _event_text(event), global_step=self._x(int(event.get("step") or 0)))
+        step = int(event.get("step") or 0)
+        if self._lines is not None and self._lines[0] != step:
+            self._flush_text()
+        if self._lines is None:
+            self._lines = (step, [])
+        self._lines[1].append(_event_text(event))
+
+    def _flush_text(self) -> None:
+        """The step's actions as one text entry (TensorBoard keeps one text per tag and step), one
+        Markdown line each."""
+        pending, self._lines = self._lines, None
+        if pending is None or self._writer is None:
+            return
+        step, lines = pending
+        self._writer.add_text(self.prefix + self.TEXT_TAG, "  \n".join(lines), global_step=self._x(step))
+
+    def end_step(self, step: int) -> None:
+        self._flush_text()
 
     def log_alert(self, level: str, title: str, text: str, step: int) -> None:
         if self._writer is None:
@@ -424,6 +463,7 @@ class TensorBoardSink(Sink):
     def close(self, summary: dict[str, Any] | None = None) -> None:
         if self._writer is None:
             return
+        self._flush_text()
         if summary:
             self._writer.add_text(self.prefix + "gradguard/summary", "```\n" + json.dumps(_clean(summary), indent=1,
                                                                                       default=str) + "\n```",
@@ -598,7 +638,8 @@ class WandbSink(Sink):
             return
         self._closed = True
         if self._rows:
-            table = {self.TABLE_KEY: self._wandb.Table(columns=list(self.COLUMNS), data=self._rows)}
+            # under the engine's prefix like every other key (HF: train/gradguard/actions)
+            table = {self.prefix + self.TABLE_KEY: self._wandb.Table(columns=list(self.COLUMNS), data=self._rows)}
             self.run.log(table)
         if len(self._points) > self._points_logged:
             chart = self._points_chart()

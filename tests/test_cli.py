@@ -8,10 +8,11 @@ import pytest
 @pytest.mark.slow
 def test_demo_rescues_the_explosive_run(tmp_path):
     """The one real end-to-end run of the explosive setting: unguarded goes wrong, guarded ends
-    near the hand-tuned run (this is the README's demo, ~1.5 min on 2 cores)."""
+    near the hand-tuned run (this is the README's demo; no wall-clock limit: a slow machine only
+    takes longer)."""
     out = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "gradguard", "demo", "--out", str(out), "--quiet"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "| unguarded |" in proc.stdout and "| guarded |" in proc.stdout and "| tuned |" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -25,10 +26,53 @@ def test_demo_rescues_the_explosive_run(tmp_path):
     assert events[0]["type"] == "start" and events[-1]["type"] == "summary"
     assert any(e["type"] == "action" and e["name"] == "lower_lr" for e in events)
     report = out / "gradguard" / "report.html"  # the demo writes the report (plotly is in [dev])
-    assert summary["guarded"]["report"] == str(report) and report.stat().st_size > 100_000
+    assert summary["guarded"]["report"] == str(report) and report.stat().st_size > 20_000
+    assert (out / "gradguard" / "plotly.min.js").stat().st_size > 1_000_000  # plotly.js once, beside it
     assert summary["guarded"]["guard"]["advice"]["settings"]["lr_factor"] < 1
 
 
 def test_demo_rejects_bad_steps():
     proc = subprocess.run([sys.executable, "-m", "gradguard", "demo", "--steps", "2"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--steps=2" in proc.stderr
+
+
+def test_version():
+    import gradguard
+
+    proc = subprocess.run([sys.executable, "-m", "gradguard", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"gradguard {gradguard.__version__}"
+    from importlib import metadata
+
+    assert gradguard.__version__ == metadata.version("gradguard")
+
+
+def test_short_demo_shows_progress_and_its_report(tmp_path):
+    """A short demo (20 steps per arm): a progress display per arm on stderr, the table, and the
+    HTML report's path, or the one line saying how to get it."""
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "gradguard", "demo", "--out", str(out), "--steps", "20"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for arm in ("unguarded", "guarded", "tuned"):
+        assert arm in proc.stderr  # tqdm's bar or the plain progress line names the arm
+    assert "| guarded |" in proc.stdout
+    try:
+        import plotly  # noqa: F401
+    except ImportError:
+        assert "pip install 'gradguard[report]'" in proc.stdout
+    else:
+        assert f"report: {out / 'gradguard' / 'report.html'}" in proc.stdout
+
+
+def test_plain_progress_without_tqdm():
+    import io
+
+    from gradguard.demo import Progress
+
+    stream = io.StringIO()
+    p = Progress("guarded", 20, stream=stream, every=10)
+    for i in range(1, 21):
+        p(i, 2.5)
+    p.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("  guarded: step 10/20, loss 2.5")

@@ -538,3 +538,103 @@ def test_lightning_console_lines_never_share_a_line_with_the_progress_bar(tmp_pa
     mixed = [line for line in mine if bar_re.search(line) or not line.lstrip().startswith("[gradguard]")]
     assert not mixed, mixed[:3]
     assert sum("step 13:" in line for line in mine) == 1  # one line for the escalation step
+
+
+def test_hf_wandb_only_run_keeps_its_event_log_in_the_wandb_run_files(wandb_offline, tmp_path, monkeypatch, capsys):
+    """report_to=["wandb"] and no out_dir: the Trainer keeps no log folder, yet the event log is
+    written into the W&B run's files folder (uploaded with the run), from its ``start`` record on,
+    and the console summary names it and the ``gradguard report`` command."""
+    from gradguard.hf import GradGuardCallback
+    from gradguard.report import diagnose, read_log
+    from tests.test_hf import inject, make_trainer
+
+    monkeypatch.chdir(tmp_path)
+    cb = GradGuardCallback(gg.GuardConfig.preset("default", output={"console": True}))
+    trainer = make_trainer(tmp_path, [cb], steps=40, logging_steps=5, report_to=["wandb"])
+    inject(trainer, {20: 300.0, 21: 300.0})
+    trainer.train()
+    run_dir = wandb_offline.run.dir
+    wandb_offline.finish()
+    log = cb.core.log_path
+    assert log == os.path.join(run_dir, "gradguard", "events.jsonl")
+    records = read_log(log)
+    assert records[0]["type"] == "start" and records[0]["layers"] and records[-1]["type"] == "summary"
+    assert records[-1]["log"] == log and cb.summary["log"] == log
+    assert any(r["type"] == "action" for r in records) and diagnose(records)
+    err = capsys.readouterr().err
+    assert f"[gradguard] log: {log}" in err and f"[gradguard] report: gradguard report {log}" in err
+
+
+def test_an_event_log_elsewhere_is_saved_to_the_wandb_run(wandb_offline, tmp_path):
+    from gradguard.hf import GradGuardCallback
+    from tests.test_hf import cfg, make_trainer
+
+    cb = GradGuardCallback(cfg(tmp_path))
+    make_trainer(tmp_path, [cb], steps=6, report_to=["wandb"]).train()
+    files = wandb_offline.run.dir
+    wandb_offline.finish()
+    assert cb.core.log_path.startswith(str(tmp_path / "logs"))
+    saved = os.path.join(files, "gradguard", "events.jsonl")
+    assert os.path.exists(saved) and os.path.realpath(saved) == os.path.realpath(cb.core.log_path)
+
+
+def test_hf_gradguard_loss_is_the_steps_loss_in_every_sink_and_the_print_switch(tmp_path, monkeypatch, capsys):
+    """One meaning per key: ``train/gradguard/loss`` in TensorBoard (through HF's report_to) at a
+    logging step is that step's loss, the JSONL value of the same step, not the window's mean (that
+    is ``gradguard/loss_window_mean``, HF's own ``loss``). ``print_metrics=False`` keeps every
+    gradguard key off the printed line; report_to still gets them."""
+    from gradguard.hf import GradGuardCallback
+    from tests.test_hf import cfg, make_trainer
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    cb = GradGuardCallback(cfg(tmp_path, output={"metrics_interval": 1}))
+    cb.print_metrics = False  # the switch (see docs/metrics.md)
+    trainer = make_trainer(tmp_path, [cb], steps=20, logging_steps=5, report_to=["tensorboard"],
+                           learning_rate=5e-3)
+    trainer.train()
+    printed = [line for line in capsys.readouterr().out.splitlines() if "'loss'" in line]
+    assert len(printed) == 4 and not any("gradguard/" in line for line in printed), printed
+    jsonl_loss = {r["step"]: r[M.LOSS] for r in jsonl(cb.core.log_path) if r["type"] == "metrics" and M.LOSS in r}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tb_loss = {e.step: e.value for e in acc.Scalars("train/" + M.LOSS)}
+    tb_mean = {e.step: e.value for e in acc.Scalars("train/" + M.LOSS_WINDOW_MEAN)}
+    assert sorted(tb_loss) == [5, 10, 15, 20]
+    for step, value in tb_loss.items():
+        assert value == pytest.approx(jsonl_loss[step], rel=1e-6)
+        window = [jsonl_loss[s] for s in range(step - 4, step + 1)]
+        assert tb_mean[step] == pytest.approx(sum(window) / 5, rel=1e-5)
+    assert any(abs(tb_loss[s] - tb_mean[s]) > 1e-4 for s in tb_loss)  # the two keys really differ
+
+
+def test_every_sink_writes_the_same_value_for_the_same_key_at_the_same_step(wandb_offline, tmp_path):
+    """A plain-loop run with JSONL, TensorBoard and W&B: every key every sink has, at every step,
+    is the same value (TensorBoard keeps float32)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from .test_sinks import _read_wandb_run, _run_guard
+
+    tb = gg.TensorBoardSink(str(tmp_path / "tb"))
+    wb = gg.WandbSink(project="gradguard-test", dir=str(tmp_path))
+    mem = _run_guard(tmp_path, [tb, wb])  # + the run's own JSONL log and a MemorySink
+    log = next(p for p in (tmp_path / "gradguard").glob("*.jsonl"))
+    jsonl_rows = {r["step"]: r for r in jsonl(str(log)) if r["type"] == "metrics"}
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    history, _ = _read_wandb_run(tmp_path)
+    wb_rows = {r["_step"]: r for r in history if "_step" in r}
+    checked = 0
+    for step, m in mem.metrics:
+        for key, value in m.items():
+            want = float(value)
+            j = jsonl_rows[step][key]
+            j = float(j) if isinstance(j, str) else j
+            assert (math.isnan(j) and math.isnan(want)) or j == pytest.approx(want, rel=1e-9), (key, step)
+            t = {e.step: e.value for e in acc.Scalars(key)}[step]
+            assert (math.isnan(t) and math.isnan(want)) or t == pytest.approx(want, rel=1e-6, abs=1e-7), (key, step)
+            if math.isfinite(want):  # W&B leaves nan/inf out (the JSONL and the event points keep them)
+                assert wb_rows[step][key] == pytest.approx(want, rel=1e-9), (key, step)
+            checked += 1
+    assert checked > 100

@@ -50,6 +50,13 @@ def test_the_report_is_self_contained_and_renders_in_headless_chromium(run_dir, 
     # nothing to fetch: no external script, stylesheet or image
     assert not re.search(r"""<(script|link|img)[^>]+(src|href)=["']?(https?:)?//""", text)
     assert "Plotly.newPlot" in text and 'id="gg-heatmap"' in text
+    # plotly.js once per folder, next to the report (not 4.8 MB inside every report)
+    js = tmp_path / "plotly.min.js"
+    assert js.stat().st_size > 1_000_000 and out.stat().st_size < 1_000_000
+    assert '<script charset="utf-8" src="plotly.min.js"></script>' in text
+    before = js.stat().st_mtime_ns
+    assert cli_main(["report", str(run_dir), "-o", str(tmp_path / "second.html")]) == 0
+    assert js.stat().st_mtime_ns == before and sorted(p.name for p in tmp_path.glob("*.js")) == ["plotly.min.js"]
     if CHROMIUM is None:
         pytest.skip("chromium is not installed (CI installs it: apt-get install chromium)")
     dom = _chromium(tmp_path, "--dump-dom", out.as_uri())
@@ -74,6 +81,16 @@ def test_the_report_is_self_contained_and_renders_in_headless_chromium(run_dir, 
     assert colours is not None and len(colours) > 200  # text, lines, a colour scale: not a blank page
     white = max(colours)[0] / (img.size[0] * img.size[1])
     assert white < 0.95
+
+
+def test_inline_report_is_one_file_and_cdn_needs_the_network(run_dir, tmp_path):
+    inline = write_report(str(run_dir), str(tmp_path / "a" / "inline.html"), plotlyjs="inline")
+    assert not (tmp_path / "a" / "plotly.min.js").exists() and os.path.getsize(inline) > 3_000_000
+    cdn = write_report(str(run_dir), str(tmp_path / "b" / "cdn.html"), plotlyjs="cdn")
+    assert not (tmp_path / "b" / "plotly.min.js").exists() and os.path.getsize(cdn) < 1_000_000
+    assert re.search(r"""<script[^>]+src=["']https://cdn.plot.ly/""", open(cdn, encoding="utf-8").read())
+    with pytest.raises(ConfigError, match="plotlyjs"):
+        write_report(str(run_dir), str(tmp_path / "c.html"), plotlyjs="web")
 
 
 def test_diagnosis_and_advice_of_a_real_run(run_dir):

@@ -27,7 +27,7 @@ def _run_guard(tmp_path, sink):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mem = gg.MemorySink()
     cfg = gg.GuardConfig.preset("default", output={"dir": str(tmp_path), "console": False, "metrics_interval": 5})
-    guard = gg.Guard(model, opt, config=cfg, sinks=[mem, sink])
+    guard = gg.Guard(model, opt, config=cfg, sinks=[mem, *(sink if isinstance(sink, list) else [sink])])
     assert guard.core.layers.layer_names == ["fc1", "head"]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(32, 8, generator=gen)
@@ -80,6 +80,64 @@ def test_tensorboard_sink_round_trip(tmp_path):
     assert NAN_STEP in [e.step for e in texts]
     first = texts[0].tensor_proto.string_val[0].decode()
     assert "**" in first and "step" in first
+
+
+def _tb(path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_tensorboard_text_is_one_line_per_action(tmp_path):
+    """A rollback, an LR cut and a clip change at one step: one text entry for the step with three
+    lines (TensorBoard shows one text per tag and step), each naming its action; read back."""
+    sink = gg.TensorBoardSink(str(tmp_path / "tb"), layout=False)
+    for name in ("rollback", "lower_lr", "tighten_clip"):
+        sink.log_event({"type": "action", "name": name, "step": 7, "params": {"rung": 1}, "reason": "loss spike"})
+    sink.end_step(7)
+    sink.log_event({"type": "action", "name": "recover_lr", "step": 40, "params": {}, "reason": "stable period"})
+    sink.log_event({"type": "halt", "step": 41, "message": "gave up"})
+    sink.close()
+    acc = _tb(tmp_path / "tb")
+    (tag,) = [t for t in acc.Tags()["tensors"] if t.startswith(gg.TensorBoardSink.TEXT_TAG + "/")]
+    entries = {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)}
+    assert sorted(entries) == [7, 40, 41] and len(acc.Tensors(tag)) == 3
+    lines = entries[7].split("  \n")
+    assert len(lines) == 3 and ["rollback" in lines[0], "lower_lr" in lines[1], "tighten_clip" in lines[2]] == [True] * 3
+    assert "recover_lr" in entries[40] and "HALT" in entries[41]
+
+
+def test_tensorboard_layout_is_one_set_of_charts_for_every_engine(tmp_path):
+    """Runs of the plain loop (no prefix) and of HF (``train/``) in one folder: their layouts are
+    identical (TensorBoard merges identical charts, so nothing is doubled) and each chart draws
+    both runs' keys; the total grad norm is not among the per-layer lines."""
+    import re
+
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    from gradguard.dashboards import tensorboard_layout
+
+    plain = gg.TensorBoardSink(str(tmp_path / "runs" / "plain"))
+    hf = gg.TensorBoardSink(str(tmp_path / "runs" / "hf"), prefix="train/")
+    for sink in (plain, hf):
+        sink.log_metrics(1, {M.LOSS: 2.0, M.GRAD_NORM: 1.0, f"{M.GRAD_NORM_LAYER}/fc1": 0.5})
+        sink.close()
+    layouts = []
+    for run in ("plain", "hf"):
+        (cfg,) = _tb(tmp_path / "runs" / run).Tensors(metadata.CONFIG_SUMMARY_TAG)
+        layout = layout_pb2.Layout()
+        layout.ParseFromString(cfg.tensor_proto.string_val[0])
+        layouts.append(layout)
+    assert layouts[0] == layouts[1]
+    charts = tensorboard_layout()
+    for key in (M.LOSS, M.GRAD_NORM):
+        for prefix in ("", "train/"):
+            assert any(re.match(t, prefix + key) for c in charts.values() for _, tags in c.values() for t in tags)
+    (per_layer,) = charts["gradguard: per layer"]["per-layer grad norm"][1]
+    assert re.match(per_layer, f"train/{M.GRAD_NORM_LAYER}/fc1") and re.match(per_layer, f"{M.GRAD_NORM_LAYER}/fc1")
+    assert not re.match(per_layer, M.GRAD_NORM) and not re.match(per_layer, "train/" + M.GRAD_NORM)
 
 
 def test_tensorboard_sink_missing_dependency(monkeypatch, tmp_path):
@@ -153,3 +211,18 @@ def test_wandb_sink_missing_dependency(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ImportError, match=r"gradguard\[wandb\]"):
         gg.WandbSink()
+
+
+def test_console_summary_final_lr_reads_as_a_true_product():
+    """``final LR xM = LR``: M is the multiplier in force (``lr_multiplier_now``, the re-warm-up
+    ramp included) when the summary gives it, with the level it ramps to named."""
+    import io
+
+    out = io.StringIO()
+    gg.ConsoleSink(stream=out, write=lambda line, s: s.write(line + "\n")).close(
+        {"steps": 20, "lr_multiplier": 0.03, "lr_multiplier_now": 0.01962, "final_lr": 0.001962})
+    assert "final LR x0.01962 = 0.001962 (re-warming up to x0.03)" in out.getvalue()
+    out = io.StringIO()
+    gg.ConsoleSink(stream=out, write=lambda line, s: s.write(line + "\n")).close(
+        {"steps": 20, "lr_multiplier": 0.03, "final_lr": 0.003})
+    assert "final LR x0.03 = 0.003;" in out.getvalue() or out.getvalue().rstrip().endswith("final LR x0.03 = 0.003")

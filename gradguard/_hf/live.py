@@ -7,14 +7,26 @@ prefix: never a second run, never the same key twice (see ``GuardCore.after_step
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from .._compat import hf_callback_list
-from ..sinks import M, Sink, TensorBoardSink, WandbSink, is_headline
+from ..logdir import is_url
+from ..sinks import (
+    EVENT_SCHEMA_VERSION,
+    JSONLSink,
+    M,
+    Sink,
+    TensorBoardSink,
+    WandbSink,
+    is_headline,
+    package_versions,
+)
 from .setup import log_entries
 
 __all__ = ["PREFIX", "STEP_KEY", "bind_integrations", "is_logging_step", "layer_keys_out_of_print",
-           "move_ahead_of_reporters", "add_to_logs"]
+           "move_ahead_of_reporters", "add_to_logs", "event_log_with_wandb"]
 
 PREFIX = "train/"  # transformers' rewrite_logs
 STEP_KEY = "train/global_step"  # the x axis WandbCallback defines
@@ -34,6 +46,7 @@ def bind_integrations(callbacks: list[Any], sinks: list[Sink]) -> list[Sink]:
             wandb = None  # type: ignore[assignment]
         run = getattr(wandb, "run", None) if wandb is not None else None
         if run is not None:
+            new.extend(event_log_with_wandb(run, callbacks, sinks))
             mine = [s for s in sinks if isinstance(s, WandbSink) and s.run is run]
             if mine:
                 for s in mine:
@@ -47,6 +60,51 @@ def bind_integrations(callbacks: list[Any], sinks: list[Sink]) -> list[Sink]:
         sink.engine_bound = True
         new.append(sink)
     return new
+
+
+def _callback_of(callbacks: list[Any], sinks: list[Sink]) -> Any:
+    """The GradGuardCallback among ``callbacks`` whose core's sink list is ``sinks``."""
+    for cb in callbacks:
+        core = getattr(cb, "core", None)
+        if core is not None and getattr(core, "sinks", None) is sinks:
+            return cb
+    return None
+
+
+def event_log_with_wandb(run: Any, callbacks: list[Any], sinks: list[Sink]) -> list[Sink]:
+    """Keep the event log with the W&B run, so a run that reports only to W&B still has it where
+    its user looks. An event log elsewhere (``out_dir``, the TensorBoard folder) is saved to the run
+    (``run.save``, uploaded as it grows, under ``gradguard/``); with none (``report_to=["wandb"]``
+    and no ``out_dir``: no folder of the Trainer's to write into) the log is opened in the run's
+    files folder (``run.dir/gradguard/events.jsonl``, uploaded with the run), starting with the
+    ``start`` record, and the summary and console name it. Returns the sinks to add."""
+    logs = [s for s in sinks if isinstance(s, JSONLSink)]
+    if logs:
+        for log in logs:
+            if is_url(log.path):
+                continue
+            path = os.path.abspath(log.path)
+            try:
+                run.save(path, base_path=os.path.dirname(os.path.dirname(path)), policy="live")
+            except Exception:  # noqa: BLE001 - an upload that cannot be set up never stops training
+                pass
+        return []
+    cb = _callback_of(callbacks, sinks)
+    folder = getattr(run, "dir", None)
+    user_cfg = getattr(cb, "config", None)
+    if cb is None or not folder or not getattr(getattr(user_cfg, "output", None), "jsonl", True):
+        return []  # the user turned the event log off: none here either
+    core = cb.core
+    path = os.path.join(folder, "gradguard", "events.jsonl")
+    sink = JSONLSink(path)
+    if sink.error is not None:
+        return []
+    sink.log_event({"type": "start", "step": 0, "schema_version": EVENT_SCHEMA_VERSION,
+                    "versions": package_versions(), "layers": list(core.layers.layer_names),
+                    "optimizer": getattr(core, "_optimizer_at_start", None), "config": core.config.to_dict(),
+                    "time": time.time()})
+    core.log_path = path  # the summary (and its console line) names the log
+    return [sink]
 
 
 def is_logging_step(args: Any, state: Any, step: int) -> bool:
@@ -68,27 +126,40 @@ def _is_layer_key(key: str) -> bool:
     return key.startswith("gradguard/") and not is_headline(key)
 
 
-def layer_keys_out_of_print(callbacks: list[Any]) -> None:
+def _is_gradguard_key(key: str) -> bool:
+    return key.startswith("gradguard/")
+
+
+def layer_keys_out_of_print(callbacks: list[Any], everything: bool | None = None) -> None:
     """Per-layer ``gradguard/...`` values go into the Trainer's ``logs`` so that every
     ``report_to`` integration receives them (W&B, TensorBoard, MLflow, Comet, ...); this puts a
     filter right before the first callback that prints ``logs`` (the progress bar), which removes
-    them there: the printed line keeps only the run-level keys. Idempotent."""
+    them there: the printed line keeps only the run-level keys. ``everything=True`` removes every
+    ``gradguard/...`` key from the printed line (they still reach ``report_to``); None keeps the
+    filter's current setting. Idempotent."""
     from transformers.trainer_callback import TrainerCallback
 
-    if any(type(cb).__name__ == "_LayerKeysOutOfPrint" for cb in callbacks):
+    found = next((cb for cb in callbacks if type(cb).__name__ == "_LayerKeysOutOfPrint"), None)
+    if found is not None:
+        if everything is not None:
+            found.everything = everything
         return
     pos = next((i for i, cb in enumerate(callbacks) if type(cb).__name__ in _PRINTERS), None)
     if pos is None:
         return  # nothing prints the logs
 
     class _LayerKeysOutOfPrint(TrainerCallback):
+        def __init__(self, everything: bool) -> None:
+            self.everything = everything
+
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                    **kwargs: Any) -> None:
             if logs:
-                for key in [k for k in logs if _is_layer_key(k)]:
+                drop = _is_gradguard_key if self.everything else _is_layer_key
+                for key in [k for k in logs if drop(k)]:
                     del logs[key]
 
-    callbacks.insert(pos, _LayerKeysOutOfPrint())
+    callbacks.insert(pos, _LayerKeysOutOfPrint(bool(everything)))
 
 
 def add_to_logs(core: Any, state: Any, logs: dict[str, Any], window: list[float], layer_metrics: bool) -> None:
@@ -99,6 +170,12 @@ def add_to_logs(core: Any, state: Any, logs: dict[str, Any], window: list[float]
     row = core.pending_row if core.pending_row is not None else core.metrics(core.last_report)
     core.pending_row = None
     m = log_entries(row, window, True, M.NONFINITE_LOSS_STEPS)
+    # one meaning per key: gradguard/loss is the logged step's loss, as in the JSONL log and every
+    # other sink; the window's mean (what HF's own "loss" averages) has its own key
+    if M.LOSS in m:
+        m[M.LOSS_WINDOW_MEAN] = m.pop(M.LOSS)
+    if M.LOSS in row:
+        m[M.LOSS] = row[M.LOSS]
     head = {k: v for k, v in m.items() if is_headline(k)}
     logs.update(head)  # what the Trainer prints and hands to every report_to integration
     if layer_metrics:  # per-layer values: to every report_to integration, not printed
@@ -120,5 +197,6 @@ def move_ahead_of_reporters(callback: Any) -> bool:
     cbs.remove(callback)
     pos = next((i + 1 for i, c in enumerate(cbs) if isinstance(c, DefaultFlowCallback)), 0)
     cbs.insert(pos, callback)
-    layer_keys_out_of_print(cbs)
+    # ``callback.print_metrics = False``: no gradguard key on the printed line (report_to gets them all)
+    layer_keys_out_of_print(cbs, everything=not getattr(callback, "print_metrics", True))
     return True
