@@ -655,6 +655,37 @@ def _build(cls: type, value: Any, path: str) -> Any:
     return cls(**value)
 
 
+def _track_given(cls: type) -> None:
+    """``obj._given``: the names of the fields passed to the constructor (a dict section, a preset's
+    entries, keyword arguments), so "configured explicitly" can be told from "left at the default"
+    even when the value equals the default (see :func:`explicit`)."""
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        object.__setattr__(self, "_given", frozenset(kwargs))
+        init(self, *args, **kwargs)
+
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    __init__.__doc__ = init.__doc__
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+for _cls in _SECTIONS.values():
+    _track_given(_cls)
+
+
+def explicit(section: Any, name: str) -> bool:
+    """Whether ``section.name`` was configured by the user: passed to the constructor (a dict, a
+    preset, a keyword) or different from the field's default."""
+    if name in getattr(section, "_given", ()):
+        return True
+    for f in dataclasses.fields(section):
+        if f.name == name:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            return bool(getattr(section, name) != default)
+    raise AttributeError(name)
+
+
 #: Named presets as nested dicts over the defaults.
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},

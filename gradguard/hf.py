@@ -155,7 +155,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         trainer = find_caller(Trainer, start=2)
         engine = getattr(trainer, "model_wrapped", None)
         if getattr(trainer, "is_deepspeed_enabled", False) is True and is_deepspeed_engine(engine):
-            self._ds = DeepSpeedRun(cfg, engine, lr_scheduler, list(self.user_sinks), out_dir)
+            self._ds = DeepSpeedRun(cfg, engine, lr_scheduler, list(self.user_sinks), out_dir,
+                                   trainer_clip=args.max_grad_norm)
             self.core = self._ds.core
             if state.global_step > 0:
                 self._restore(args, state)  # the guard state of the checkpoint resumed from

@@ -30,17 +30,16 @@ _CLIP_SETTING = "TrainingArguments.max_grad_norm"
 
 def validate(config: GuardConfig, args: Any, optimizer: Any, trainer: Any = None) -> bool:
     """Whether gradguard guards this setup (False: monitor mode on an unsupported one, standing aside);
-    a config or setup it refuses raises at ``on_train_begin``."""
+    a config or setup it refuses raises at ``on_train_begin`` (the clip rule: :func:`effective_config`,
+    evaluated once, right after)."""
     check_ladder(config)
-    ok = refuse_unsupported(config, unsupported(args, optimizer, trainer))
-    if ok:
-        resolve_clip(config, args.max_grad_norm, engine_default=HF_DEFAULT_MAX_GRAD_NORM, setting=_CLIP_SETTING)
-    return ok
+    return refuse_unsupported(config, unsupported(args, optimizer, trainer))
 
 
 def effective_config(config: GuardConfig, args: Any) -> tuple[GuardConfig, float | None]:
-    """The user's config with the clip rule applied (``gradguard.adapter.resolve_clip``), and the
-    Trainer's clip to replay; one event log per run (the main process writes it)."""
+    """The user's config with the clip rule applied (``gradguard.adapter.resolve_clip``, evaluated
+    once per run: its conflict error or warning comes from here), and the Trainer's clip to replay;
+    one event log per run (the main process writes it)."""
     cfg, replay = resolve_clip(copy.deepcopy(config), args.max_grad_norm, engine_default=HF_DEFAULT_MAX_GRAD_NORM,
                                setting=_CLIP_SETTING)
     if getattr(args, "process_index", 0) != 0:
