@@ -59,3 +59,92 @@ def test_resume_with_a_new_configured_clip_applies_it_and_warns(tmp_path, engine
                                                  r"clip\.max_norm=1\.0"):
         resumed = RUNNERS[engine](tmp_path / "b", c2, steps=7, resume_from=checkpoint_of(engine, tmp_path, 6))
     assert resumed.core.clip.max_norm <= 0.3 and resumed.core.config.clip.max_norm == 0.3
+
+
+# -- 2. guard states range-checked and tied to their checkpoint -----------------------------------------
+def _guard(quiet_cfg, **over):
+    from .conftest import TinyNet
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    return gg.Guard(model, opt, config=quiet_cfg(**over)), model, opt
+
+
+def _trained_state(quiet_cfg):
+    from .conftest import make_batch
+
+    guard, model, opt = _guard(quiet_cfg, detect={"warmup_steps": 2})
+    gen = torch.Generator().manual_seed(0)
+    for i in range(8):
+        loss = model(*make_batch(gen))
+        (loss * (float("nan") if i == 4 else 30.0 if i == 6 else 1.0)).backward()  # a NaN step and a spike
+        guard.step(loss * (float("nan") if i == 4 else 1.0))
+        opt.zero_grad()
+    state = guard.state_dict()
+    guard.close()
+    return state
+
+
+@pytest.mark.parametrize("path,value", [
+    ("lr.global_mult", 1e6), ("lr.global_mult", float("nan")), ("lr.global_ceiling", 2.0), ("lr.batch_scale", float("inf")),
+    ("step_count", 10 ** 30), ("applied_steps", -1), ("skipped_steps", 10 ** 6), ("n_findings", -3),
+    ("clip.max_norm", float("nan")), ("clip.count", -2), ("clip.var", float("inf")), ("policy.level", -1),
+    ("policy.skip_streak", 10 ** 20), ("detectors.loss.base.mean", float("nan")), ("lr.warm_left", -5),
+    ("action_counts.skip", 10 ** 40),
+])
+def test_out_of_range_state_is_refused_naming_the_field_before_anything_is_applied(quiet_cfg, path, value):
+    import copy
+
+    state = _trained_state(quiet_cfg)
+    bad = copy.deepcopy(state)
+    *parents, leaf = path.split(".")
+    node = bad
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    guard, _, _ = _guard(quiet_cfg)
+    before = guard.state_dict()
+    name = leaf if not parents or parents[0] in ("action_counts",) else path
+    with pytest.raises(gg.StateError, match=rf"{name.split('.')[-1]}.*must be"):
+        guard.load_state_dict(bad)
+    assert guard.state_dict() == before  # nothing applied
+    guard.load_state_dict(state)  # the intact state (after a NaN step and a spike) loads
+    assert guard.step_count == 8
+    guard.close()
+
+
+@pytest.mark.parametrize("engine", ["hf", "lightning"])
+@pytest.mark.parametrize("preset", ["default", "monitor"])
+def test_guard_state_of_another_checkpoint_is_refused_or_started_fresh(tmp_path, engine, preset):
+    """checkpoint-4 resumed with the guard state of checkpoint-8 (copied over it): acting, a StateError
+    naming both steps before anything is changed; monitor mode, a warning and a fresh guard."""
+    import json
+    import os
+    import shutil
+
+    c = cfg(tmp_path, preset, recovery={"snapshot_interval": 0})
+    RUNNERS[engine](tmp_path, c, steps=8, save_at=4)
+    old, new = checkpoint_of(engine, tmp_path, 4), checkpoint_of(engine, tmp_path, 8)
+    if engine == "hf":
+        shutil.copy(os.path.join(new, "gradguard_state.json"), os.path.join(old, "gradguard_state.json"))
+        with open(os.path.join(old, "trainer_state.json")) as fh:
+            ts = json.load(fh)
+        with open(os.path.join(new, "trainer_state.json")) as fh:
+            ts["stateful_callbacks"] = json.load(fh)["stateful_callbacks"]
+        with open(os.path.join(old, "trainer_state.json"), "w") as fh:
+            json.dump(ts, fh)
+    else:
+        a = torch.load(old, weights_only=True)
+        b = torch.load(new, weights_only=True)
+        a["callbacks"] = {k: v for k, v in b["callbacks"].items() if k.startswith("GradGuard")} | {
+            k: v for k, v in a["callbacks"].items() if not k.startswith("GradGuard")}
+        torch.save(a, old)
+    c2 = cfg(tmp_path / "b", preset, recovery={"snapshot_interval": 0})
+    if preset == "default":
+        with pytest.raises(gg.StateError, match=r"step_count=8 .*global step is 4.*Fix: resume from the checkpoint"):
+            RUNNERS[engine](tmp_path / "b", c2, steps=6, resume_from=old)
+        return
+    with pytest.warns(gg.GradGuardWarning, match=r"step_count=8 .*global step is 4.*fresh guard state"):
+        run = RUNNERS[engine](tmp_path / "b", c2, steps=6, resume_from=old)
+    assert run.error is None and run.core.step_count == 6

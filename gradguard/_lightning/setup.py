@@ -155,7 +155,8 @@ def start(cb: Any, trainer: Any, pl_module: Any) -> None:
     # on_before_optimizer_step fires (Lightning runs the closure inside optimizer.step()).
     cb._hook_handles = watch_optimizer_step(cb, opt)
     attach(cb, trainer, pl_module)
-    if not apply_pending(cb):
+    one_counter = bool(pl_module.automatic_optimization) and len(trainer.optimizers) == 1  # global_step == guard steps
+    if not apply_pending(cb, trainer.global_step if one_counter else None):
         cb.core.start_at(trainer.global_step)  # resumed without a guard state: follow global_step
     hand_clip_to_lightning(cb, trainer)
 
