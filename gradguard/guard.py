@@ -1116,6 +1116,7 @@ class Guard(GuardCore):
             self.attach_data_skip(self._skip_data)
             self.attach_batches(batches)
             # after a rollback the data position keeps moving forward: the controller is not rewound
+        self._misuse.attach(self)  # misuse
 
     # -- batch controller actuators ----------------------------------------------------------
     def _skip_data(self, a: Action) -> dict[str, Any]:
@@ -1204,6 +1205,7 @@ class Guard(GuardCore):
         return (start, ctl.micro_batch_size) if ctl.micro_batch_size < start else None
 
     def step(self, loss: torch.Tensor | float | None = None) -> StepReport:
+        self._misuse.step_begin(self, loss)  # misuse
         opt = self.user_optimizer
         if self.scaler is not None and not self._misuse.already_unscaled(self, self.scaler, opt):
             self.scaler.unscale_(opt)
@@ -1232,6 +1234,7 @@ class Guard(GuardCore):
             self.scaler.update(new_scale=self.scale_to_keep(report))
         if report.applied and self._step_scheduler:
             self.scheduler.step()
+        self._misuse.step_end(self, report)  # misuse
         return self._finish(report)
 
     def _finish(self, report: StepReport) -> StepReport:

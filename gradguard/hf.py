@@ -24,7 +24,7 @@ from ._hf.deepspeed import DeepSpeedRun
 from ._hf.live import add_to_logs, bind_integrations, is_logging_step, move_ahead_of_reporters
 from ._hf.loader import TrainerLoader
 from ._hf.norm import StepDecision
-from ._hf.setup import build, effective_config, event_log_dir, validate
+from ._hf.setup import build, effective_config, event_log_dir, once_in_callbacks, validate
 from ._hf.steps import StepRunner
 from .adapter import HaltLatch, halt_raises, may_wrap
 from .config import GuardConfig
@@ -133,11 +133,18 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         return validate(self.config, args, optimizer, find_caller(Trainer, start=2))
 
     # -- Trainer events --------------------------------------------------------------------
+    def _once_in_callbacks(self) -> None:
+        from transformers.trainer_callback import CallbackHandler
+
+        once_in_callbacks(self, find_caller(CallbackHandler, start=3), self.config)
+
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._once_in_callbacks()
         self._ordered = self._ordered or move_ahead_of_reporters(self)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, train_dataloader: Any = None, **kwargs: Any) -> None:
+        self._once_in_callbacks()
         self._ordered = self._ordered or move_ahead_of_reporters(self)
         hf_state.ensure_state_entry(state, type(self).__name__, self.state)
         if self.core is not None:

@@ -148,3 +148,211 @@ def test_guard_state_of_another_checkpoint_is_refused_or_started_fresh(tmp_path,
     with pytest.warns(gg.GradGuardWarning, match=r"step_count=8 .*global step is 4.*fresh guard state"):
         run = RUNNERS[engine](tmp_path / "b", c2, steps=6, resume_from=old)
     assert run.error is None and run.core.step_count == 6
+
+
+# -- 3. lines of the old loop left in (plain Guard) --------------------------------------------------------
+def _misuse_events(guard) -> list[str]:
+    return [e["kind"] for e in guard._misuse_sink.events if e.get("type") == "misuse"]
+
+
+def _plain(quiet_cfg, scheduler=None, **over):
+    from gradguard.sinks import MemorySink
+
+    from .conftest import TinyNet
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sink = MemorySink()
+    sched = scheduler(opt) if scheduler is not None else None
+    guard = gg.Guard(model, opt, scheduler=sched, config=quiet_cfg(**over), sinks=[sink])
+    guard._misuse_sink = sink
+    return guard, model, opt, sched
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def test_stray_optimizer_step_after_a_skipped_nan_step_changes_nothing_and_warns(quiet_cfg):
+    from .conftest import make_batch
+
+    guard, model, opt, _ = _plain(quiet_cfg)
+    gen = torch.Generator().manual_seed(0)
+    loss = model(*make_batch(gen))
+    loss.backward()
+    guard.step(loss)
+    opt.zero_grad()
+    loss = model(*make_batch(gen)) * float("nan")  # a NaN step: the guard skips it
+    loss.backward()
+    before = _flat(model)
+    with pytest.warns(gg.GradGuardWarning, match=r"optimizer\.step\(\) was called after guard\.step\(\), which had "
+                                                 r"skipped step 2.*changed nothing.*Fix: remove your optimizer\.step"):
+        report = guard.step(loss)
+        opt.step()  # the old loop's line
+    assert report.skipped
+    assert torch.equal(_flat(model), before) and torch.isfinite(_flat(model)).all()  # the NaN was never applied
+    assert guard._misuse.loop.dropped_steps == 1 and "stray_optimizer_step" in _misuse_events(guard)
+    guard.close()
+
+
+def test_stray_optimizer_step_after_an_applied_step_is_a_no_op_and_warned_once(quiet_cfg):
+    from .conftest import make_batch
+
+    guard, model, opt, _ = _plain(quiet_cfg)
+    ref_guard, ref_model, ref_opt, _ = _plain(quiet_cfg)
+    gen, gen2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            b = make_batch(gen)
+            loss = model(*b)
+            loss.backward()
+            guard.step(loss)
+            opt.step()  # left over from the old loop
+            opt.zero_grad()
+            loss = ref_model(*make_batch(gen2))
+            loss.backward()
+            ref_guard.step(loss)
+            ref_opt.zero_grad()
+    assert sum("optimizer.step() was called after guard.step()" in m for m in _messages(rec)) == 1
+    assert torch.equal(_flat(model), _flat(ref_model))  # no double update
+    guard.close()
+    ref_guard.close()
+
+
+def test_optimizer_step_without_a_guard_step_yet_or_after_close_is_left_alone(quiet_cfg):
+    from .conftest import make_batch
+
+    guard, model, opt, _ = _plain(quiet_cfg)
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no misuse warning: a warm-up before the guard's first step
+        model(*make_batch(gen)).backward()
+        before = _flat(model)
+        opt.step()
+        assert not torch.equal(_flat(model), before)
+        opt.zero_grad()
+    guard.close()
+    model(*make_batch(gen)).backward()
+    before = _flat(model)
+    opt.step()  # after close the optimizer is the user's again
+    assert not torch.equal(_flat(model), before)
+    assert not opt._optimizer_step_pre_hooks  # the guard's hooks are gone
+
+
+def test_scheduler_stepped_by_the_user_too_is_warned_once(quiet_cfg):
+    from .conftest import make_batch
+
+    guard, model, opt, sched = _plain(quiet_cfg, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.9))
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            loss = model(*make_batch(gen))
+            loss.backward()
+            guard.step(loss)
+            sched.step()  # the old loop's line
+            opt.zero_grad()
+    hits = [m for m in _messages(rec) if "scheduler.step() was called 1 time(s) between two guard.step()" in m]
+    assert len(hits) == 1 and "Fix: remove your scheduler.step()" in hits[0]
+    guard.close()
+
+
+def test_guard_step_twice_after_one_backward_is_warned(quiet_cfg):
+    from .conftest import make_batch
+
+    guard, model, opt, _ = _plain(quiet_cfg)
+    gen = torch.Generator().manual_seed(0)
+    loss = model(*make_batch(gen))
+    loss.backward()
+    guard.step(loss)
+    with pytest.warns(gg.GradGuardWarning, match=r"guard\.step\(\) was called again with no backward\(\).*Fix"):
+        guard.step(loss)
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a normal step after it: no further warning
+        for _ in range(2):
+            loss = model(*make_batch(gen))
+            loss.backward()
+            guard.step(loss)
+            opt.zero_grad(set_to_none=False)  # grads kept as tensors: backward adds in place
+    guard.close()
+
+
+def test_plateau_scheduler_warned_at_construction(quiet_cfg):
+    with pytest.warns(gg.GradGuardWarning, match=r"scheduler=ReduceLROnPlateau.*scheduler\.step\(metric\)"):
+        guard, *_ = _plain(quiet_cfg, scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o))
+    guard.close()
+
+
+def test_step_after_close_or_halt_raises_and_applies_nothing(quiet_cfg):
+    from gradguard.misuse import GuardClosedError
+
+    from .conftest import make_batch
+
+    guard, model, opt, _ = _plain(quiet_cfg)
+    gen = torch.Generator().manual_seed(0)
+    guard.close()
+    loss = model(*make_batch(gen))
+    loss.backward()
+    before = _flat(model)
+    with pytest.raises(GuardClosedError, match=r"closed guard \(close\(\) was called\).*Fix"):
+        guard.step(loss)
+    assert torch.equal(_flat(model), before)
+    assert isinstance(GuardClosedError("x"), gg.GradGuardError)
+
+
+def test_loss_given_as_a_list_is_a_clear_error(quiet_cfg):
+    from .conftest import make_batch
+
+    guard, model, opt, _ = _plain(quiet_cfg)
+    gen = torch.Generator().manual_seed(0)
+    losses = [model(*make_batch(gen)), model(*make_batch(gen))]
+    sum(losses).backward()
+    before = _flat(model)
+    with pytest.raises(TypeError, match=r"guard\.step\(loss\): loss=list .*Fix: pass the step's total loss"):
+        guard.step(losses)
+    assert torch.equal(_flat(model), before) and guard.step_count == 0
+    guard.step(sum(losses))  # the fix works
+    assert guard.step_count == 1
+    guard.close()
+
+
+def _hf_trainer(tmp_path, callbacks, steps=3, **kw):
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from .engines import BS, Data, Net
+
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], max_steps=steps,
+                             per_device_train_batch_size=BS, logging_steps=1, disable_tqdm=True, seed=0,
+                             save_strategy="no", **kw)
+    return Trainer(model=Net(), args=args, train_dataset=Data(), callbacks=callbacks)
+
+
+def test_hf_same_callback_twice_is_refused_at_attach(tmp_path):
+    from gradguard.hf import GradGuardCallback
+
+    cb = GradGuardCallback(config=cfg(tmp_path))
+    with pytest.raises(gg.ConfigError, match=r"same callback instance is in the Trainer's callbacks 2 times.*Fix: "
+                                             r"pass it once"):
+        _hf_trainer(tmp_path, [cb, cb])
+    cb = GradGuardCallback(config=cfg(tmp_path))
+    tr = _hf_trainer(tmp_path, [cb])
+    tr.add_callback(cb)
+    with pytest.raises(gg.ConfigError, match=r"2 times"):
+        tr.train()
+    assert cb.core is None  # nothing was attached
+
+
+def test_hf_same_callback_twice_in_monitor_mode_is_deduplicated_with_a_warning(tmp_path):
+    from gradguard.hf import GradGuardCallback
+
+    cb = GradGuardCallback(config=cfg(tmp_path, "monitor"))
+    tr = _hf_trainer(tmp_path, [cb])
+    tr.add_callback(cb)
+    with pytest.warns(gg.GradGuardWarning, match=r"2 times.*Monitor mode keeps the first"):
+        tr.train()
+    assert sum(c is cb for c in tr.callback_handler.callbacks) == 1
+    assert cb.core.step_count == 3  # each step measured once

@@ -11,8 +11,8 @@ from typing import Any
 from ..adapter import restore_guard_state, unusable_resume_state
 from ..config import GuardConfig
 from ..errors import StateError
-from ..state import check_resume_step
 from ..guard import GuardCore
+from ..state import check_resume_step
 from .checkpoints import find_resume_state, write_state_file
 from .loader import TrainerLoader
 from .steps import StepRunner
