@@ -127,6 +127,20 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         guard = self.core.max_grad_norm
         return guard if guard is not None or self.decision is None else self.decision.replay_clip
 
+    def observe_loss(self, loss: Any) -> None:
+        """Feed the guard one micro-batch's loss when the model's output holds none (a custom
+        ``compute_loss``, ``compute_loss_func``, ``label_smoothing_factor``): call it from your
+        ``compute_loss`` with the loss it returns (a tensor; the step's loss is the mean of the
+        micro-batches'). Without such a loss the loss detector is blind (warned at the first step)."""
+        import torch
+
+        if self.runner is None or not isinstance(loss, torch.Tensor):
+            if self._ds is not None and isinstance(loss, torch.Tensor):
+                self._ds.core.observe_loss(loss.detach().float().mean())
+            return
+        if torch.is_grad_enabled():  # a training micro-batch (evaluation runs under no_grad)
+            self.runner.losses.append(loss.detach().float().mean())
+
     def _validate(self, args: Any, optimizer: Any) -> bool:
         from transformers import Trainer
 

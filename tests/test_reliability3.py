@@ -356,3 +356,158 @@ def test_hf_same_callback_twice_in_monitor_mode_is_deduplicated_with_a_warning(t
         tr.train()
     assert sum(c is cb for c in tr.callback_handler.callbacks) == 1
     assert cb.core.step_count == 3  # each step measured once
+
+
+# -- 4. blind spots named ------------------------------------------------------------------------------------
+class _LogitsNet(torch.nn.Module):
+    """Returns logits, and a loss only when given labels (as transformers models do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import types
+
+        from .engines import VOCAB
+
+        torch.manual_seed(0)
+        self.config = types.SimpleNamespace(problem_type=None)  # read by the Trainer's label smoothing set-up
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.embed(input_ids))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return out
+
+
+def _hf_logits_trainer(tmp_path, cb, trainer_cls=None, **kw):
+    from transformers import Trainer, TrainingArguments
+
+    from .engines import BS, Data
+
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], max_steps=3,
+                             per_device_train_batch_size=BS, logging_steps=1, disable_tqdm=True, seed=0,
+                             save_strategy="no", **kw)
+    return (trainer_cls or Trainer)(model=_LogitsNet(), args=args, train_dataset=Data(), callbacks=[cb])
+
+
+def test_hf_label_smoothing_loss_blindness_is_named_with_the_fix(tmp_path):
+    pytest.importorskip("transformers")
+    from gradguard.hf import GradGuardCallback
+
+    cb = GradGuardCallback(config=cfg(tmp_path))
+    tr = _hf_logits_trainer(tmp_path, cb, label_smoothing_factor=0.1)
+    with pytest.warns(gg.GradGuardWarning, match=r"loss is not visible.*label_smoothing_factor=0\.1.*"
+                                                 r"Fix: .*callback\.observe_loss\(loss\)") as rec:
+        tr.train()
+    assert sum("loss is not visible" in m for m in _messages(rec)) == 1
+    assert all(r.loss is None for r in cb.reports)  # what the warning says: blind
+
+
+def test_hf_custom_compute_loss_feeding_the_loss_makes_the_guard_see_it(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import Trainer
+
+    from gradguard.hf import GradGuardCallback
+
+    cb = GradGuardCallback(config=cfg(tmp_path))
+
+    class MyTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            out = model(**inputs)
+            logits = out["logits"]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) * 2
+            if feed:
+                cb.observe_loss(loss)
+            return (loss, out) if return_outputs else loss
+
+    feed = False
+    with pytest.warns(gg.GradGuardWarning, match=r"loss is not visible.*MyTrainer\.compute_loss is overridden"):
+        _hf_logits_trainer(tmp_path / "a", cb, MyTrainer).train()
+    feed = True
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        _hf_logits_trainer(tmp_path / "b", cb, MyTrainer).train()
+    assert not [m for m in _messages(rec) if "loss is not visible" in m]
+    assert all(r.loss is not None and r.loss > 0 for r in cb.reports) and len(cb.reports) == 3
+
+
+def test_parameter_outside_the_model_is_measured_and_its_nan_gradient_skipped(quiet_cfg):
+    from .conftest import TinyNet, make_batch
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    temperature = torch.nn.Parameter(torch.ones(()))
+    opt = torch.optim.SGD([{"params": model.parameters()}, {"params": [temperature]}], lr=0.1)
+    guard = gg.Guard(model, opt, config=quiet_cfg())
+    name = "optimizer.param_groups[1].params[0]"
+    assert guard.layers.layer_names[-1] == name
+    gen = torch.Generator().manual_seed(0)
+    loss = model(*make_batch(gen)) * temperature
+    loss.backward()
+    report = guard.step(loss)
+    assert report.applied and report.layer_norms[name] > 0 and temperature.item() != 1.0
+    opt.zero_grad()
+    before = temperature.detach().clone()
+    loss = model(*make_batch(gen)) * temperature
+    loss.backward()
+    temperature.grad.fill_(float("nan"))  # only the temperature's gradient is poisoned
+    report = guard.step(loss)
+    assert report.skipped and torch.equal(temperature.detach(), before)
+    assert any(name in f.layers for f in report.findings)
+    guard.close()
+
+
+def test_running_stats_of_a_skipped_step_are_put_back_exactly():
+    from gradguard.running_stats import RunningStats
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    stats = RunningStats(model)
+    assert stats.active and len(stats.modules) == 2
+    model.train()
+    model(torch.randn(16, 4))
+    stats.settle(True)  # an applied step: its statistics stay
+    bns = [model[1], model[4]]
+    kept = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in bns]
+    ids = [id(m.running_var) for m in bns]
+    for _ in range(2):  # a step of two micro-batches on huge inputs, then skipped
+        model(torch.randn(16, 4) * 1e6)
+    assert not torch.equal(bns[0].running_var, kept[0][1])  # the forward moved them
+    stats.settle(False)
+    for m, (mean, var, n) in zip(bns, kept):
+        assert torch.equal(m.running_mean, mean) and torch.equal(m.running_var, var)
+        assert torch.equal(m.num_batches_tracked, n)
+    assert [id(m.running_var) for m in bns] == ids and stats.restored == 1
+    model(torch.randn(16, 4))  # re-armed: the next step is copied again
+    stats.settle(True)
+    assert not torch.equal(bns[0].running_var, kept[0][1])
+    model.eval()
+    model(torch.randn(16, 4) * 1e6)  # evaluation moves nothing and takes no copy
+    stats.settle(False)
+    stats.close()
+    assert not model[1]._forward_pre_hooks and not model[4]._forward_pre_hooks
+
+
+def test_running_stats_costs_nothing_without_batchnorm():
+    from gradguard.running_stats import RunningStats
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4),
+                                torch.nn.InstanceNorm1d(4), torch.nn.BatchNorm1d(4, track_running_stats=False))
+    stats = RunningStats(model)
+    assert not stats.active and stats.modules == []
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    stats.settle(False)
+    stats.close()
+    tracked = torch.nn.InstanceNorm1d(4, track_running_stats=True)
+    s2 = RunningStats(tracked)
+    assert s2.active
+    tracked.train()
+    before = tracked.running_var.clone()
+    tracked(torch.randn(2, 4, 5) * 100)
+    s2.settle(False)
+    assert torch.equal(tracked.running_var, before)
+    s2.close()
