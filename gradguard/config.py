@@ -579,7 +579,7 @@ class GuardConfig:
     def preset(cls, name: str = "default", **overrides: Any) -> GuardConfig:
         """A named preset (see ``PRESETS``); keyword overrides are sections as dicts or objects,
         e.g. ``GuardConfig.preset("default", clip={"max_norm": 0.5})``."""
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise ConfigError(f"GuardConfig.preset name={name!r}: unknown preset. "
                               f"Fix: use one of {sorted(PRESETS)}")
         data = copy.deepcopy(PRESETS[name])
@@ -589,6 +589,11 @@ class GuardConfig:
                                   f"Fix: use one of {sorted(_SECTIONS)}")
             if dataclasses.is_dataclass(value):
                 value = _asdict(value)
+            elif not isinstance(value, dict):
+                raise ConfigError(
+                    f"GuardConfig.{section}={value!r} (with preset {name!r}): must be a dict of fields, not a "
+                    f"{type(value).__name__}. Fix: write the section as a mapping, e.g. "
+                    f"{section}: {{{next(iter(f.name for f in dataclasses.fields(_SECTIONS[section])))}: ...}}")
             data.setdefault(section, {}).update(value)
         return cls.from_dict(data)
 

@@ -241,6 +241,11 @@ class LoopWatch:
         self._marks: list[tuple[Any, Any, int]] = []  # (param, weakref to its grad, the grad's version)
         self._sched_count: int | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_marks"] = []  # weak references to this process's gradient tensors
+        return state
+
     # -- wiring ---------------------------------------------------------------------------------
     def attach(self, guard: Any) -> None:
         """After the guard is built: the optimizer's step hooks and the construction-time checks."""

@@ -511,3 +511,266 @@ def test_running_stats_costs_nothing_without_batchnorm():
     s2.settle(False)
     assert torch.equal(tracked.running_var, before)
     s2.close()
+
+
+# -- 5. trust and files ----------------------------------------------------------------------------------------
+def test_hf_forked_run_does_not_roll_back_into_the_original_runs_checkpoints(tmp_path):
+    """Run A saved checkpoints 2 and 4; its folder is copied to B and B resumes from its copy of
+    checkpoint-4. The guard state lists A's checkpoint-2 (by A's path); checkpoint-4 turns bad at
+    once, so checkpoint-2 is the only candidate: B must not read A's files."""
+    import shutil
+
+    from .engines import actions
+
+    c = cfg(tmp_path / "a", recovery={"snapshot_interval": 0, "confirm_steps": 1})
+    first = RUNNERS["hf"](tmp_path / "a", c, steps=4, save_at=2, opt_kind="sgd")
+    assert first.error is None
+    shutil.copytree(tmp_path / "a" / "hf", tmp_path / "b" / "hf")
+    c2 = cfg(tmp_path / "b", recovery={"snapshot_interval": 0, "confirm_steps": 1})
+    forked = RUNNERS["hf"](tmp_path / "b", c2, steps=8, faults={5: 50.0, 6: 50.0}, opt_kind="sgd",
+                           resume_from=str(tmp_path / "b" / "hf" / "checkpoint-4"))
+    paths = [e["path"] for e in forked.restored_state["checkpoints"]]
+    assert str(tmp_path / "a" / "hf" / "checkpoint-2") in paths  # the copied state names A's folder
+    rb = actions(forked, "rollback")
+    assert rb and all(a["params"].get("source") != "checkpoint" for a in rb)  # not restored from A
+    fallbacks = [e for e in forked.sink.events if e["type"] == "snapshot_fallback"]
+    assert any("outside this run's checkpoint folder" in p and str(tmp_path / "a") in p
+               for e in fallbacks for p in e["problems"])
+
+
+def test_changed_or_foreign_checkpoint_is_not_trusted(tmp_path):
+    from gradguard.contract import collective
+    from gradguard.recovery import CheckpointTier, rollback_from_checkpoints
+
+    class Source:
+        roots = [str(tmp_path / "run")]
+        reads: list[str] = []
+
+        def read(self, path, step):
+            self.reads.append(path)
+            return {"model": {}, "guard": {}}
+
+        def restore(self, payload):
+            pass
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "other").mkdir()
+    own, foreign = tmp_path / "run" / "ck-2.pt", tmp_path / "other" / "ck-4.pt"
+    own.write_bytes(b"x" * 10)
+    foreign.write_bytes(b"y" * 10)
+    tier = CheckpointTier(1)
+    tier.saved(2, [str(own)])
+    tier.saved(4, [str(foreign)])
+    tier.observe(5, True, False)  # both trusted by the trust rule, both fingerprinted
+    assert all(e["fp"] for e in tier.entries)
+    own.write_bytes(b"z" * 11)  # rewritten since (another run wrote the same name)
+    events: list[dict] = []
+    src = Source()
+    assert rollback_from_checkpoints(tier, src, collective(), events.append, 6) is None
+    assert src.reads == []  # neither file was read
+    problems = [p for e in events for p in e["problems"]]
+    assert any("outside this run's checkpoint folder" in p for p in problems)
+    assert any("changed since it was saved" in p for p in problems)
+    # the intact own checkpoint is trusted
+    tier = CheckpointTier(1)
+    tier.saved(2, [str(own)])
+    tier.observe(3, True, False)
+    assert rollback_from_checkpoints(tier, src, collective(), events.append, 4)["to_step"] == 2
+    assert src.reads == [str(own)]
+
+
+def _plant(link, target) -> None:
+    os = __import__("os")
+    os.makedirs(os.path.dirname(link), exist_ok=True)
+    os.symlink(target, link)
+
+
+def test_planted_event_log_symlink_is_not_followed(tmp_path, quiet_cfg):
+    import os
+
+    target = tmp_path / "victim.txt"
+    target.write_text("precious\n")
+    guard, model, opt = _guard(quiet_cfg, output={"jsonl": True})
+    path = guard.log_path
+    guard.close()
+    os.remove(path)
+    _plant(path, str(target))
+    with pytest.warns(RuntimeWarning, match="event log is off"):
+        guard, model, opt = _guard(quiet_cfg, output={"jsonl": True})
+        from .conftest import make_batch
+
+        loss = model(*make_batch(torch.Generator().manual_seed(0)))
+        loss.backward()
+        guard.step(loss)  # training goes on
+        guard.close()
+    assert target.read_text() == "precious\n" and os.path.islink(path)
+
+
+def test_planted_diagnosis_and_state_file_symlinks_are_not_followed(tmp_path, quiet_cfg):
+    import json
+    import os
+
+    from gradguard._hf.checkpoints import STATE_FILE, read_state_file, write_state_file
+
+    victims = [tmp_path / f"victim{i}.txt" for i in range(4)]
+    for v in victims:
+        v.write_text("precious")
+    guard, *_ = _guard(quiet_cfg)
+    folder = tmp_path / "diag"
+    _plant(str(folder / "diagnosis.json.tmp"), str(victims[0]))
+    _plant(str(folder / "diagnosis.json"), str(victims[1]))
+    path = guard.write_diagnosis({"reason": "test"}, str(folder))
+    assert json.loads(open(path).read())["reason"] == "test" and not os.path.islink(path)
+    ck = tmp_path / "checkpoint-3"
+    _plant(str(ck / (STATE_FILE + ".tmp")), str(victims[2]))
+    _plant(str(ck / STATE_FILE), str(victims[3]))
+    write_state_file(str(ck), {"guard": {"x": 1}})
+    assert read_state_file(str(ck / STATE_FILE)) == {"guard": {"x": 1}}
+    assert all(v.read_text() == "precious" for v in victims)
+    assert os.path.islink(ck / (STATE_FILE + ".tmp"))  # left alone, not written through
+    guard.close()
+
+
+def test_planted_snapshot_symlink_is_not_followed(tmp_path):
+    import os
+
+    from gradguard.snapshot import DiskSnapshots
+
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious")
+    disk = DiskSnapshots(str(tmp_path / "snaps"))
+    _plant(disk.path(2), str(victim))
+    _plant(disk.path(2) + ".sha256", str(victim))
+    disk.write(2, {"w": torch.ones(3)})
+    assert victim.read_bytes() == b"precious" and not os.path.islink(disk.path(2))
+    assert torch.equal(disk.load(2)["w"], torch.ones(3))
+
+
+# -- 6. clear errors ---------------------------------------------------------------------------------------------
+def test_lightning_two_default_callbacks_get_gradguards_error_naming_the_fix(tmp_path):
+    L = pytest.importorskip("lightning.pytorch")
+    from gradguard.lightning import GradGuardCallback
+
+    kw = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+              default_root_dir=str(tmp_path))
+    with pytest.raises(gg.ConfigError, match=r"2 GradGuardCallbacks named 'default' in one Trainer.*Fix: give each "
+                                             r"its own name.*name='main'"):
+        L.Trainer(callbacks=[GradGuardCallback(cfg(tmp_path)), GradGuardCallback(cfg(tmp_path))], **kw)
+    cb = GradGuardCallback(cfg(tmp_path))
+    with pytest.raises(gg.ConfigError, match=r"same GradGuardCallback \(name='default'\).*2 times.*Fix: pass it once"):
+        L.Trainer(callbacks=[cb, cb], **kw)
+    # added after the Trainer was built: caught when fit sets up, before any step
+    trainer = L.Trainer(callbacks=[GradGuardCallback(cfg(tmp_path))], max_steps=1, **kw)
+    trainer.callbacks.append(GradGuardCallback(cfg(tmp_path)))
+    from .engines import BS, Data
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, i):
+            return self.lin(batch["input_ids"].float()).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(gg.ConfigError, match=r"named 'default'.*Fix: give each its own name"):
+        trainer.fit(Lit(), torch.utils.data.DataLoader(Data(), batch_size=BS))
+    # distinct names: fine
+    L.Trainer(callbacks=[GradGuardCallback(cfg(tmp_path)), GradGuardCallback(cfg(tmp_path), name="second")], **kw)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_plain_guard_with_an_event_log_is_picklable_and_the_copy_appends(quiet_cfg, how):
+    import copy
+    import json
+    import pickle
+
+    from .conftest import make_batch
+
+    guard, model, opt = _guard(quiet_cfg, output={"jsonl": True, "metrics_interval": 1})
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        loss = model(*make_batch(gen))
+        loss.backward()
+        guard.step(loss)
+        opt.zero_grad()
+    before = open(guard.log_path).read().count("\n")
+    twin = pickle.loads(pickle.dumps(guard)) if how == "pickle" else copy.deepcopy(guard)
+    guard.close()
+    loss = twin.model(*make_batch(gen))
+    loss.backward()
+    report = twin.step(loss)
+    twin.close()
+    assert report.step == 3 and twin.step_count == 3
+    lines = [json.loads(x) for x in open(guard.log_path).read().splitlines()]
+    assert len(lines) > before + 1 and lines[-1]["type"] == "summary"
+    assert any(r.get("step") == 3 for r in lines[before:])  # the copy appended, nothing was truncated
+
+
+@pytest.mark.parametrize("text,field", [("preset: default\nclip: 5\n", r"GuardConfig\.clip=5"),
+                                        ("preset: conservative\nclip: [1]\n", r"GuardConfig\.clip=\[1\]"),
+                                        ("preset: default\nlr: true\n", r"GuardConfig\.lr=True")])
+def test_yaml_preset_with_a_malformed_section_is_a_config_error(tmp_path, text, field):
+    pytest.importorskip("yaml")
+    path = tmp_path / "guard.yaml"
+    path.write_text(text)
+    with pytest.raises(gg.ConfigError, match=rf"{field} \(with preset .*must be a dict of fields.*Fix: write the "
+                                             r"section as a mapping"):
+        gg.GuardConfig.from_yaml(str(path))
+
+
+# -- 7. a dead run's snapshot folder is reclaimed ------------------------------------------------------------
+def test_dead_runs_snapshot_folder_is_reclaimed_at_the_next_start(tmp_path):
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from gradguard.snapshot import OWNER_FILE, _proc_start
+
+    from .conftest import TinyNet, make_batch
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    host = socket.gethostname()
+    snaps = tmp_path / "snaps"
+
+    def folder(name, owner):
+        d = snaps / name
+        d.mkdir(parents=True)
+        (d / "snapshot-000000004.pt").write_bytes(b"x" * 100)
+        (d / "snapshot-000000004.pt.sha256").write_text("abc")
+        if owner is not None:
+            (d / OWNER_FILE).write_text(json.dumps(owner))
+        return d
+
+    gone = folder("run-killed", {"host": host, "pid": dead, "start": None})
+    reused = folder("run-reused", {"host": host, "pid": os.getppid(), "start": "1"})  # pid now runs another process
+    live = folder("run-live", {"host": host, "pid": os.getppid(), "start": _proc_start(os.getppid())})
+    other_host = folder("run-elsewhere", {"host": "another-machine", "pid": dead, "start": None})
+    legacy = folder("run-legacy", None)  # no owner file: an older gradguard
+    mine = folder("run-extra", {"host": host, "pid": dead, "start": None})
+    (mine / "notes.txt").write_text("the user's")  # not gradguard's: the folder stays
+    sink = gg.MemorySink()
+    torch.manual_seed(0)
+    model = TinyNet()
+    cfg_ = gg.GuardConfig.preset("default", output={"dir": str(tmp_path / "out"), "console": False},
+                                 recovery={"snapshot_interval": 1, "confirm_steps": 1, "disk_dir": str(snaps)})
+    guard = gg.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg_, sinks=[sink])
+    assert not gone.exists()
+    assert (not reused.exists()) == (_proc_start(os.getppid()) is not None)  # start times known on Linux
+    assert live.exists() and other_host.exists() and legacy.exists() and (legacy / "snapshot-000000004.pt").exists()
+    assert (mine / "notes.txt").exists()
+    removed = [p for e in sink.events if e["type"] == "snapshot_orphans_removed" for p in e["paths"]]
+    assert str(gone) in removed
+    own = guard.snapshots.disk.directory
+    owner = json.loads(open(os.path.join(own, OWNER_FILE)).read())
+    assert owner["host"] == host and owner["pid"] == os.getpid()
+    loss = model(*make_batch(torch.Generator().manual_seed(0)))
+    loss.backward()
+    guard.step(loss)
+    guard.close()
+    assert not os.path.exists(own)  # a closed run removes its own folder, owner file included

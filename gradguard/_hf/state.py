@@ -10,7 +10,7 @@ from typing import Any
 
 from ..adapter import restore_guard_state, unusable_resume_state
 from ..config import GuardConfig
-from ..errors import StateError
+from ..errors import StateError, warn
 from ..guard import GuardCore
 from ..state import check_resume_step
 from .checkpoints import find_resume_state, write_state_file
@@ -93,7 +93,11 @@ def saved(core: GuardCore, args: Any, step: int, export: Callable[[], dict[str, 
     if not getattr(args, "should_save", True):
         return
     if os.path.isdir(ckpt):
-        write_state_file(ckpt, export())  # after checkpoint_saved: the tier lists it
+        try:
+            write_state_file(ckpt, export())  # after checkpoint_saved: the tier lists it
+        except OSError as exc:  # gradguard's own file: never what stops training
+            warn(f"gradguard: could not write the guard state into {ckpt} ({exc}); training continues (a resume "
+                 "from this checkpoint starts with a fresh guard state)", category=RuntimeWarning)
         if diagnosis is not None:
             core.write_diagnosis(diagnosis, ckpt)
 
