@@ -311,11 +311,11 @@ class LoopWatch:
         count = getattr(sched, "_step_count", None)
         self._sched_count = count if isinstance(count, int) else None
         self._marks = []
-        params = [p for p in guard.layers.params if p.grad is not None]
-        if params:
-            picks = {0, len(params) - 1, len(params) // 2, len(params) // 3}
-            for i in sorted(picks)[:_MARKED_PARAMS]:
-                g = params[i].grad
+        params = guard.layers.params  # a few spread-out parameters: O(1) per step, host-side reads only
+        n = len(params)
+        for i in sorted({0, n - 1, n // 2, n // 3})[:_MARKED_PARAMS] if n else ():
+            g = params[i].grad
+            if g is not None:
                 self._marks.append((params[i], weakref.ref(g), g._version))
 
     def _unchanged(self) -> bool:

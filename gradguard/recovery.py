@@ -10,9 +10,10 @@
 
 Only this run's checkpoints are trusted: a checkpoint is rolled back to only when its path lies inside
 the run's own checkpoint folder(s) (``source.roots``: the Trainer's ``output_dir``, the
-``ModelCheckpoint`` folders; symlinks resolved), and, once fingerprinted (the sizes and modification
-times of its files with the run's random id, taken at the first step after the save), only while its
-files still match. A run forked by copying its folder, or a tampered guard state naming another
+``ModelCheckpoint`` folders; symlinks resolved; a file elsewhere is never read), and, once
+fingerprinted (the sizes and modification times of its files with a random id of this process, taken
+at the first step after the save and kept in memory, so identical runs save identical states), only
+while its files still match. A run forked by copying its folder, or a tampered guard state naming another
 path, does not roll back into someone else's files (a ``snapshot_fallback`` event says why).
 
 The trust rule (every engine, and the in-memory snapshot ring): a checkpoint written after step
@@ -113,8 +114,11 @@ class CheckpointTier:
 
     def __init__(self, confirm_steps: int) -> None:
         self.confirm_steps = max(1, int(confirm_steps))
-        self.entries: list[dict[str, Any]] = []  # {"step", "path", "healthy", "tested", "bad", "run", "fp"}
-        self.run_id = secrets.token_hex(8)  # this run's (kept by a resume: the entries carry it)
+        self.entries: list[dict[str, Any]] = []  # {"step", "path", "healthy", "tested", "bad"}
+        self.run_id = secrets.token_hex(8)  # this process's run
+        #: "<step>:<path>" -> the checkpoint's fingerprint, taken at the first step after its save (kept
+        #: in this process only: a saved guard state stays the same for identical runs)
+        self.fingerprints: dict[str, str | None] = {}
 
     def saved(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> None:
         """The engine wrote a checkpoint after update ``step`` (one entry per file; a re-used name
@@ -122,8 +126,8 @@ class CheckpointTier:
         for path in paths or ("",):
             path = str(path)
             self.entries = [e for e in self.entries if not (e["path"] == path and (path or e["step"] == step))]
-            self.entries.append({"step": int(step), "path": path, "healthy": 0, "tested": False, "bad": False,
-                                 "run": self.run_id})
+            self.fingerprints.pop(f"{int(step)}:{path}", None)
+            self.entries.append({"step": int(step), "path": path, "healthy": 0, "tested": False, "bad": False})
 
     def state_with(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> list[dict[str, Any]]:
         """The state this tier will have once the checkpoint after update ``step`` at ``paths`` is
@@ -132,7 +136,6 @@ class CheckpointTier:
         run that wrote it does."""
         ahead = CheckpointTier(self.confirm_steps)
         ahead.load_state_dict(self.state_dict())
-        ahead.run_id = self.run_id
         ahead.saved(step, paths)
         return ahead.state_dict()
 
@@ -140,8 +143,9 @@ class CheckpointTier:
         """One step's verdict (see :func:`step_verdict`). A checkpoint saved before this step is
         fingerprinted now (its files are complete), once."""
         for e in self.entries:
-            if "fp" not in e and step > e["step"]:
-                e["fp"] = checkpoint_fingerprint(e["path"], str(e.get("run", self.run_id)))
+            key = f"{e['step']}:{e['path']}"
+            if step > e["step"] and key not in self.fingerprints:
+                self.fingerprints[key] = checkpoint_fingerprint(str(e["path"]), self.run_id)
         for e in self.entries:
             if e["tested"] or e["bad"] or step <= e["step"]:
                 continue
@@ -165,18 +169,26 @@ class CheckpointTier:
     def state_dict(self) -> list[dict[str, Any]]:
         return [dict(e) for e in self.entries]
 
-    def untrusted(self, entry: dict[str, Any], roots: list[str] | None) -> str:
-        """Why ``entry`` is not this run's checkpoint ('' when it is): a path outside the run's
-        checkpoint folders ``roots`` (None: the source names none, no location check), or files that
-        changed since they were fingerprinted."""
+    def outside(self, entry: dict[str, Any], roots: list[str] | None) -> str:
+        """Why ``entry`` is not this run's checkpoint by its place ('' when it is): a path outside the
+        run's checkpoint folders ``roots`` (None: the source names none, no location check)."""
         path = str(entry.get("path") or "")
         if path and roots is not None and not _inside(path, [str(r) for r in roots if r]):
             return (f"{path} lies outside this run's checkpoint folder(s) {[str(r) for r in roots if r]} (a copied run "
                     "or an edited guard state names another run's checkpoint): not trusted")
-        fp = entry.get("fp")
-        if fp and checkpoint_fingerprint(path, str(entry.get("run", self.run_id))) != fp:
+        return ""
+
+    def changed(self, entry: dict[str, Any]) -> str:
+        """Why ``entry``'s files are not the ones saved ('' when they are, or were never fingerprinted)."""
+        path = str(entry.get("path") or "")
+        fp = self.fingerprints.get(f"{entry['step']}:{path}")
+        if fp and checkpoint_fingerprint(path, self.run_id) != fp:
             return f"{path} changed since it was saved (its files' sizes or times differ): not trusted"
         return ""
+
+    def untrusted(self, entry: dict[str, Any], roots: list[str] | None) -> str:
+        """:meth:`outside` or :meth:`changed` ('' for a checkpoint of this run, as saved)."""
+        return self.outside(entry, roots) or self.changed(entry)
 
     def load_state_dict(self, state: list[dict[str, Any]] | None) -> None:
         self.entries = []
@@ -184,8 +196,6 @@ class CheckpointTier:
             e = dict(e)
             e.setdefault("path", "")
             e.setdefault("healthy", 1 if e.get("tested") else 0)
-            if isinstance(e.get("run"), str):
-                self.run_id = e["run"]  # a resumed run keeps its id
             self.entries.append(e)
 
 
@@ -254,10 +264,14 @@ def rollback_from_checkpoints(tier: CheckpointTier, source: CheckpointSource, co
         path = entry["path"]
         payload, problem = None, ""
         try:
-            why = tier.untrusted(entry, roots)
+            why = tier.outside(entry, roots)  # never read another run's files
             if why:
                 raise PermissionError(why)
-            payload = source.read(path, int(entry["step"]))
+            payload = source.read(path, int(entry["step"]))  # weights_only=True: reading is safe
+            why = tier.changed(entry)  # rewritten since it was saved: not restored
+            if why:
+                payload = None
+                raise PermissionError(why)
         except Exception as exc:
             problem = f"{path}: {type(exc).__name__}: {exc}"[:400]
         if not collective.all_agree(payload is not None):  # every process restores, or none does

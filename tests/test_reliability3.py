@@ -562,12 +562,13 @@ def test_changed_or_foreign_checkpoint_is_not_trusted(tmp_path):
     tier.saved(2, [str(own)])
     tier.saved(4, [str(foreign)])
     tier.observe(5, True, False)  # both trusted by the trust rule, both fingerprinted
-    assert all(e["fp"] for e in tier.entries)
+    assert all(tier.fingerprints.values()) and len(tier.fingerprints) == 2
+    assert all(set(e) == {"step", "path", "healthy", "tested", "bad"} for e in tier.state_dict())  # state unchanged
     own.write_bytes(b"z" * 11)  # rewritten since (another run wrote the same name)
     events: list[dict] = []
     src = Source()
     assert rollback_from_checkpoints(tier, src, collective(), events.append, 6) is None
-    assert src.reads == []  # neither file was read
+    assert src.reads == [str(own)]  # the foreign file was never read; the rewritten one not restored
     problems = [p for e in events for p in e["problems"]]
     assert any("outside this run's checkpoint folder" in p for p in problems)
     assert any("changed since it was saved" in p for p in problems)
@@ -576,7 +577,7 @@ def test_changed_or_foreign_checkpoint_is_not_trusted(tmp_path):
     tier.saved(2, [str(own)])
     tier.observe(3, True, False)
     assert rollback_from_checkpoints(tier, src, collective(), events.append, 4)["to_step"] == 2
-    assert src.reads == [str(own)]
+    assert src.reads == [str(own)] * 2
 
 
 def _plant(link, target) -> None:
