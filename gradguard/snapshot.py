@@ -170,6 +170,14 @@ def reclaim_dead_runs(root: str) -> list[str]:
     return removed
 
 
+@torch.no_grad()
+def _copy_params(params: list[torch.Tensor], saved: Any) -> None:
+    if isinstance(saved, list) and len(saved) == len(params):
+        for p, v in zip(params, saved):
+            if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                p.copy_(v)
+
+
 def copy_state(obj: Any, device: str | torch.device | None = "cpu", pin: bool = False) -> Any:
     """Deep copy of a (nested) state with every tensor cloned (to ``device`` if given)."""
     if isinstance(obj, torch.Tensor):
@@ -402,6 +410,14 @@ class SnapshotRing:
         self.candidates: list[Snapshot] = []
         self.ring: list[Snapshot] = []
         self.extra: dict[str, tuple[Any, Any]] = {}  # name -> (get_state, set_state)
+        # trainable parameters the optimizer steps that are not the model's (a learnable temperature):
+        # not in the model's state, so snapshotted beside it and put back by a rollback too
+        model_ids = {id(p) for p in model.parameters()}
+        outside = [p for g in self.optimizer.param_groups for p in g["params"]
+                   if isinstance(p, torch.Tensor) and id(p) not in model_ids]
+        if outside and any(id(p) in model_ids for g in self.optimizer.param_groups for p in g["params"]):
+            self.register("optimizer_only_params", lambda: [p.detach().to("cpu", copy=True) for p in outside],
+                          lambda saved: _copy_params(outside, saved))
         self.taken = 0
         self.restored = 0
         self.total_seconds = 0.0

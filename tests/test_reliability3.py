@@ -775,3 +775,28 @@ def test_dead_runs_snapshot_folder_is_reclaimed_at_the_next_start(tmp_path):
     guard.step(loss)
     guard.close()
     assert not os.path.exists(own)  # a closed run removes its own folder, owner file included
+
+
+def test_parameter_outside_the_model_is_put_back_by_a_rollback(quiet_cfg):
+    from .conftest import TinyNet, make_batch
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    temperature = torch.nn.Parameter(torch.ones(()))
+    opt = torch.optim.SGD(list(model.parameters()) + [temperature], lr=0.1)
+    guard = gg.Guard(model, opt, config=quiet_cfg(recovery={"snapshot_interval": 1, "confirm_steps": 1}))
+    gen = torch.Generator().manual_seed(0)
+    seen = {}
+    for k in range(1, 5):
+        loss = model(*make_batch(gen)) * temperature
+        loss.backward()
+        guard.step(loss)
+        opt.zero_grad()
+        seen[k] = temperature.item()
+    with torch.no_grad():
+        temperature.fill_(123.0)  # blown up
+    action = gg.Action("rollback", guard.step_count + 1)
+    (model(*make_batch(gen)) * temperature).backward()
+    guard._execute(action)
+    assert temperature.item() == seen[action.params["to_step"]] != 123.0
+    guard.close()
