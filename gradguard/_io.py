@@ -11,10 +11,67 @@ from __future__ import annotations
 
 import errno as _errno
 import os
+import secrets
+import stat
 import threading
 from dataclasses import dataclass
+from typing import IO, Any
 
-__all__ = ["IOFault", "add_fault", "remove_fault", "check_write", "check_read"]
+__all__ = ["IOFault", "add_fault", "remove_fault", "check_write", "check_read", "open_append", "create_new",
+           "temp_name", "atomic_write", "TMP_MARK"]
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: What every temp file gradguard writes has in its name (``<final>.tmp-<random>``).
+TMP_MARK = ".tmp-"
+
+
+def _regular(fd: int, path: str) -> None:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(_errno.EINVAL, "not a regular file (gradguard writes only its own regular files)", path)
+
+
+def open_append(path: str) -> IO[str]:
+    """``path`` opened for appending text, created if missing; a symlink or a non-regular file there
+    is an ``OSError`` (never followed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+    _regular(fd, path)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def create_new(path: str, binary: bool = False) -> IO[Any]:
+    """A new file at ``path`` for writing: ``FileExistsError`` if anything (a symlink included)
+    is already there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+    return os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")
+
+
+def temp_name(final: str, tag: str = "") -> str:
+    """A fresh temp-file name beside ``final``: ``<final>.tmp-<tag><random>``."""
+    return f"{final}{TMP_MARK}{tag}{secrets.token_hex(8)}"
+
+
+def atomic_write(final: str, data: str | bytes, *, fsync: bool = True) -> str:
+    """Write a whole file atomically without following any link: a new temp file of a random name
+    in the same folder (``O_EXCL``), fsync, then ``os.replace`` over ``final``. On an error the temp
+    file is removed and the ``OSError`` propagates."""
+    check_write(final)
+    tmp = temp_name(final)
+    try:
+        with create_new(tmp, binary=isinstance(data, bytes)) as fh:
+            fh.write(data)
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    return final
 
 
 @dataclass

@@ -17,7 +17,7 @@ from .config import GuardConfig
 from .measure import LayerMap
 from .policy import Action
 
-__all__ = ["Actuators", "Actuator", "BatchResizer"]
+__all__ = ["Actuators", "Actuator", "OptimizerActuators", "BatchResizer"]
 
 #: ``fn(action) -> (params, follow-up actions)``
 Actuator = Callable[[Action], "tuple[dict[str, Any], list[Action]]"]
@@ -51,39 +51,48 @@ class Actuators:
         return []
 
 
-def builtin_actuators(actuators: Actuators, config: GuardConfig, *, lr: LRMultiplier, clip: ClipController,
-                      adam: AdamTuner, layers: LayerMap, early: Callable[[], bool],
-                      failed_at: Callable[[], float], culprits: Callable[[], list[str]]) -> None:
-    """Register the optimizer-side actuators. ``early()``: the instability came before the run
-    learned anything (warm-up, or a takeover since the first steps): the LR gets the deep cut."""
+class OptimizerActuators:
+    """The optimizer-side actuators (LR, clip, Adam, per-layer LR), registered by the core.
+    ``early()``: the instability came before the run learned anything (the LR gets the deep cut);
+    ``failed_at()``: the LR multiplier level the instability happened at; ``culprits()``: the
+    layers the findings named most."""
 
-    def lower_lr(a: Action) -> tuple[dict[str, Any], list[Action]]:
-        is_early = early()
-        factor = config.lr.early_down_factor if is_early else config.lr.down_factor
-        old, new = lr.lower(failed_at=failed_at(), factor=factor)
+    def __init__(self, config: GuardConfig, *, lr: LRMultiplier, clip: ClipController, adam: AdamTuner,
+                 layers: LayerMap, early: Callable[[], bool], failed_at: Callable[[], float],
+                 culprits: Callable[[], list[str]]) -> None:
+        self.config, self.lr, self.clip, self._adam, self.layers = config, lr, clip, adam, layers
+        self.early, self.failed_at, self.culprits = early, failed_at, culprits
+
+    def register(self, actuators: Actuators) -> None:
+        for name in ("lower_lr", "tighten_clip", "adam", "lower_layer_lr", "halt"):
+            actuators.register(name, getattr(self, name))
+
+    def lower_lr(self, a: Action) -> tuple[dict[str, Any], list[Action]]:
+        is_early = self.early()
+        cfg = self.config.lr
+        old, new = self.lr.lower(failed_at=self.failed_at(), factor=cfg.early_down_factor if is_early else cfg.down_factor)
         return {"early": is_early, "from": old, "to": new}, []
 
-    def tighten_clip(a: Action) -> tuple[dict[str, Any], list[Action]]:
-        if config.clip.mode == "off":
+    def tighten_clip(self, a: Action) -> tuple[dict[str, Any], list[Action]]:
+        if self.config.clip.mode == "off":
             return {"unavailable": "clip.mode is 'off'"}, []
-        old, new = clip.tighten()
+        old, new = self.clip.tighten()
         return {"from": old, "to": new}, []
 
-    def adam_(a: Action) -> tuple[dict[str, Any], list[Action]]:
-        if not adam.supported():
+    def adam(self, a: Action) -> tuple[dict[str, Any], list[Action]]:  # noqa: F811 - the action's name
+        if not self._adam.supported():
             return {"unavailable": "optimizer has no betas/eps"}, []
-        return adam.apply(), []
+        return self._adam.apply(), []
 
-    def lower_layer_lr(a: Action) -> tuple[dict[str, Any], list[Action]]:
-        named = culprits()
+    def lower_layer_lr(self, a: Action) -> tuple[dict[str, Any], list[Action]]:
+        named = self.culprits()
         if not named:
-            for pattern in config.lr.layer_groups.values():
-                named.extend(layers.match(pattern))
-        return (lr.lower_layers(sorted(set(named))) if named else {"unavailable": "no layers"}), []
+            for pattern in self.config.lr.layer_groups.values():
+                named.extend(self.layers.match(pattern))
+        return (self.lr.lower_layers(sorted(set(named))) if named else {"unavailable": "no layers"}), []
 
-    for name, fn in (("lower_lr", lower_lr), ("tighten_clip", tighten_clip), ("adam", adam_),
-                     ("lower_layer_lr", lower_layer_lr), ("halt", lambda a: ({}, []))):
-        actuators.register(name, fn)
+    def halt(self, a: Action) -> tuple[dict[str, Any], list[Action]]:
+        return {}, []
 
 
 class BatchResizer:

@@ -581,7 +581,7 @@ class GuardConfig:
     def preset(cls, name: str = "default", **overrides: Any) -> GuardConfig:
         """A named preset (see ``PRESETS``); keyword overrides are sections as dicts or objects,
         e.g. ``GuardConfig.preset("default", clip={"max_norm": 0.5})``."""
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise ConfigError(f"GuardConfig.preset name={name!r}: unknown preset. "
                               f"Fix: use one of {sorted(PRESETS)}")
         data = copy.deepcopy(PRESETS[name])
@@ -591,6 +591,11 @@ class GuardConfig:
                                   f"Fix: use one of {sorted(_SECTIONS)}")
             if dataclasses.is_dataclass(value):
                 value = _asdict(value)
+            elif not isinstance(value, dict):
+                raise ConfigError(
+                    f"GuardConfig.{section}={value!r} (with preset {name!r}): must be a dict of fields, not a "
+                    f"{type(value).__name__}. Fix: write the section as a mapping, e.g. "
+                    f"{section}: {{{next(iter(f.name for f in dataclasses.fields(_SECTIONS[section])))}: ...}}")
             data.setdefault(section, {}).update(value)
         return cls.from_dict(data)
 
@@ -655,6 +660,37 @@ def _build(cls: type, value: Any, path: str) -> Any:
         if key not in names:
             raise ConfigError(f"{path}.{key}={value[key]!r}: unknown field. Fix: use one of {sorted(names)}")
     return cls(**value)
+
+
+def _track_given(cls: type) -> None:
+    """``obj._given``: the names of the fields passed to the constructor (a dict section, a preset's
+    entries, keyword arguments), so "configured explicitly" can be told from "left at the default"
+    even when the value equals the default (see :func:`explicit`)."""
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        object.__setattr__(self, "_given", frozenset(kwargs))
+        init(self, *args, **kwargs)
+
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    __init__.__doc__ = init.__doc__
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+for _cls in _SECTIONS.values():
+    _track_given(_cls)
+
+
+def explicit(section: Any, name: str) -> bool:
+    """Whether ``section.name`` was configured by the user: passed to the constructor (a dict, a
+    preset, a keyword) or different from the field's default."""
+    if name in getattr(section, "_given", ()):
+        return True
+    for f in dataclasses.fields(section):
+        if f.name == name:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            return bool(getattr(section, name) != default)
+    raise AttributeError(name)
 
 
 #: Named presets as nested dicts over the defaults.

@@ -31,7 +31,7 @@ from torch import nn
 from ._compat import scaler_found_inf, scaler_scale, set_scaler_scale, sync_local_param_groups
 from ._shard import sharding
 from .act import AdamTuner, ClipController, LRMultiplier, drop_grads, unwrap_optimizer
-from .actuators import Actuators, BatchResizer, builtin_actuators
+from .actuators import Actuators, BatchResizer, OptimizerActuators
 from .config import GuardConfig
 from .contract import CheckpointSource, Collective, DataSkip, SteppingEngine
 from .contract import collective as default_collective
@@ -44,6 +44,7 @@ from .recovery import step_verdict
 from .reporting import Reporter, optimizer_info
 from .resume import reconcile
 from .rollback import Rollback
+from .running_stats import RunningStats
 from .sinks import Sink
 from .state import load_core_state, model_signature
 
@@ -150,12 +151,13 @@ class GuardCore:
                                  emit=self.reporter.emit,
                                  extra_state=stepping.snapshot_state() if stepping is not None else None)
         self.actuators = Actuators(stepping.unavailable if stepping is not None else None)
-        builtin_actuators(self.actuators, config, lr=self.lr, clip=self.clip, adam=self.adam, layers=self.layers,
-                          early=self._early, failed_at=lambda: self._failed_mult,
-                          culprits=lambda: [n for n, _ in self.reporter.culprits.most_common(3)])
+        OptimizerActuators(config, lr=self.lr, clip=self.clip, adam=self.adam, layers=self.layers,
+                           early=self._early, failed_at=self._failed_at, culprits=self._culprits).register(self.actuators)
         if self.rollback.snapshots is not None:
             self.actuators.register("rollback", self.rollback)
         self.batches: BatchResizer | None = None
+        #: BatchNorm-like statistics moved by a step's forward, put back when the step is skipped
+        self.running_stats = RunningStats(model) if config.policy.act else None
         self.step_count = self.applied_steps = self.skipped_steps = 0
         self._loss_sum: torch.Tensor | float | None = None
         self._loss_n = 0
@@ -313,6 +315,12 @@ class GuardCore:
         gets the ordinary one."""
         return self._early_now
 
+    def _failed_at(self) -> float:
+        return self._failed_mult
+
+    def _culprits(self) -> list[str]:
+        return [n for n, _ in self.reporter.culprits.most_common(3)]
+
     def _act(self, decision: Decision, report: StepReport, engine_skipped: bool | None) -> None:
         """Run the decision's actions through the actuators; a rollback discards the step."""
         if any(a.name == "rollback" for a in decision.actions):
@@ -404,6 +412,8 @@ class GuardCore:
         not log, and on a logged step the full row waits in :attr:`pending_row` for the adapter."""
         self.step_count = report.step
         self.detectors.settle(teaches(report))  # before a snapshot stores the detectors
+        if self.running_stats is not None:  # a skipped step's forward moved them; a rollback restored them
+            self.running_stats.settle(report.applied or report.rolled_back)
         if report.applied:
             self.applied_steps += 1
             if report.healthy and self.batches is not None:  # changes that wait for the next step's data
@@ -576,6 +586,11 @@ class GuardCore:
         return self.reporter.diagnosis_path
 
     @property
+    def closed(self) -> bool:
+        """``close()`` was called (the summary written, the sinks closed)."""
+        return self.reporter.closed
+
+    @property
     def action_counts(self) -> Any:
         """How many times each action was taken (a Counter)."""
         return self.reporter.action_counts
@@ -630,6 +645,8 @@ class GuardCore:
         if self.stepping is not None and hasattr(self.stepping, "release"):
             self.stepping.release()  # the engine clips as the user configured it again
         self.rollback.close()
+        if self.running_stats is not None:
+            self.running_stats.close()
         self.reporter.close(summary)
         return summary
 

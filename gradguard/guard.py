@@ -87,6 +87,7 @@ class Guard:
             # after a rollback the data position keeps moving forward: the controller is not rewound
             core.attach_data_skip(self._skip_data)
             core.attach_batches(batches)
+        self._misuse.attach(self)
 
     @property
     def log_path(self) -> str | None:
@@ -195,6 +196,7 @@ class Guard:
     def step(self, loss: torch.Tensor | float | None = None) -> StepReport:
         """One optimizer step after ``backward()``: measure, decide, clip, step (or skip), schedule."""
         core = self.core
+        self._misuse.step_begin(self, loss)
         opt = self.user_optimizer
         if self.scaler is not None and not self._misuse.already_unscaled(core, self.scaler, opt):
             self.scaler.unscale_(opt)
@@ -223,6 +225,7 @@ class Guard:
             self.scaler.update(new_scale=core.scale_to_keep(report))
         if report.applied and self._step_scheduler:
             self.scheduler.step()
+        self._misuse.step_end(self, report)
         return self._finish(report)
 
     def _finish(self, report: StepReport) -> StepReport:

@@ -24,7 +24,7 @@ from ._hf.deepspeed import DeepSpeedRun
 from ._hf.live import add_to_logs, bind_integrations, is_logging_step, move_ahead_of_reporters
 from ._hf.loader import TrainerLoader
 from ._hf.norm import StepDecision
-from ._hf.setup import build, effective_config, event_log_dir, validate
+from ._hf.setup import build, effective_config, event_log_dir, once_in_callbacks, validate
 from ._hf.steps import StepRunner
 from .adapter import HaltLatch, halt_raises, may_wrap
 from .config import GuardConfig
@@ -127,17 +127,38 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         guard = self.core.max_grad_norm
         return guard if guard is not None or self.decision is None else self.decision.replay_clip
 
+    def observe_loss(self, loss: Any) -> None:
+        """Feed the guard one micro-batch's loss when the model's output holds none (a custom
+        ``compute_loss``, ``compute_loss_func``, ``label_smoothing_factor``): call it from your
+        ``compute_loss`` with the loss it returns (a tensor; the step's loss is the mean of the
+        micro-batches'). Without such a loss the loss detector is blind (warned at the first step)."""
+        import torch
+
+        if self.runner is None or not isinstance(loss, torch.Tensor):
+            if self._ds is not None and isinstance(loss, torch.Tensor):
+                self._ds.core.observe_loss(loss.detach().float().mean())
+            return
+        if torch.is_grad_enabled():  # a training micro-batch (evaluation runs under no_grad)
+            self.runner.losses.append(loss.detach().float().mean())
+
     def _validate(self, args: Any, optimizer: Any) -> bool:
         from transformers import Trainer
 
         return validate(self.config, args, optimizer, find_caller(Trainer, start=2))
 
     # -- Trainer events --------------------------------------------------------------------
+    def _once_in_callbacks(self) -> None:
+        from transformers.trainer_callback import CallbackHandler
+
+        once_in_callbacks(self, find_caller(CallbackHandler, start=3), self.config)
+
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._once_in_callbacks()
         self._ordered = self._ordered or move_ahead_of_reporters(self)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, train_dataloader: Any = None, **kwargs: Any) -> None:
+        self._once_in_callbacks()
         self._ordered = self._ordered or move_ahead_of_reporters(self)
         hf_state.ensure_state_entry(state, type(self).__name__, self.state)
         if self.core is not None:
@@ -155,7 +176,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         trainer = find_caller(Trainer, start=2)
         engine = getattr(trainer, "model_wrapped", None)
         if getattr(trainer, "is_deepspeed_enabled", False) is True and is_deepspeed_engine(engine):
-            self._ds = DeepSpeedRun(cfg, engine, lr_scheduler, list(self.user_sinks), out_dir)
+            self._ds = DeepSpeedRun(cfg, engine, lr_scheduler, list(self.user_sinks), out_dir,
+                                   trainer_clip=args.max_grad_norm)
             self.core = self._ds.core
             if state.global_step > 0:
                 self._restore(args, state)  # the guard state of the checkpoint resumed from

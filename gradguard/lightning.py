@@ -36,6 +36,7 @@ package; :func:`make_callback_class` builds the callback for any Lightning modul
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -46,7 +47,7 @@ from ._lightning import boundary, state
 from ._lightning.checkpoints import ModelCheckpointFiles
 from ._lightning.clip import ClipTakeover
 from ._lightning.loader import TrainerLoader
-from ._lightning.setup import LightningLoggerSink, remove_wrappers, start, teardown_core
+from ._lightning.setup import LightningLoggerSink, check_unique_names, remove_wrappers, start, teardown_core
 from ._lightning.steps import StepWrappers
 from .adapter import HaltLatch, SchedulerHold, halt_raises
 from .config import GuardConfig
@@ -138,9 +139,18 @@ class _GradGuardMixin:
         self.steps._poisoned = value
 
     # -- identity / checkpoint state (gradguard/_lightning/state.py) ---------------------------------
+    _gradguard_callback = True  # marks the guard callbacks (check_unique_names)
+
     @property
     def state_key(self) -> str:
+        caller = sys._getframe(1) if hasattr(sys, "_getframe") else None
+        if caller is not None and caller.f_code.co_name == "_validate_callbacks_list":
+            # Lightning's check of Trainer(callbacks=...): gradguard's own, clearer error first
+            check_unique_names(self, caller.f_locals.get("callbacks"))
         return self._generate_state_key(name=self.name)  # type: ignore[attr-defined]
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        check_unique_names(self, getattr(trainer, "callbacks", None))  # callbacks added after the Trainer's init
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         """Adopt the one unclaimed guard entry of an older checkpoint; Lightning loads callback states

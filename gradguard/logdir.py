@@ -30,6 +30,7 @@ import sys
 from collections.abc import Iterable
 from typing import IO, Any
 
+from . import _io
 from .errors import warn
 
 __all__ = ["choose_log_dir", "event_log_dir", "is_url", "open_append", "write_text", "join"]
@@ -136,11 +137,21 @@ def open_append(path: str) -> IO[str]:
             fs.makedirs(parent, exist_ok=True)
         return fs.open(p, "a", encoding="utf-8")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    return open(path, "a", encoding="utf-8")
+    return _io.open_append(path)  # never through a symlink planted at the log's name
 
 
 def write_text(path: str, text: str) -> None:
-    """Write a whole file (atomically on a local disk: a temporary file, then a rename)."""
+    """Write a whole file (atomically on a local disk: a temporary file, then a rename). An I/O
+    error (disk full, read-only folder, a symlink gradguard will not follow) is a ``RuntimeWarning``,
+    never an exception: gradguard's own files never stop training."""
+    try:
+        _write_text(path, text)
+    except Exception as exc:  # noqa: BLE001 - remote file systems raise their own errors
+        warn(f"gradguard: could not write {path} ({type(exc).__name__}: {exc}); training continues",
+             category=RuntimeWarning, stacklevel=3)
+
+
+def _write_text(path: str, text: str) -> None:
     if is_url(path):
         fs, p = _fs(path)
         parent = p.rsplit("/", 1)[0]
@@ -150,7 +161,4 @@ def write_text(path: str, text: str) -> None:
             fh.write(text)
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    _io.atomic_write(path, text)  # a fresh temp file (O_EXCL, no symlink followed), then a rename

@@ -106,8 +106,42 @@ class LayerMap:
             raise UnsupportedSetupError("gradguard: the model has no trainable parameters (requires_grad=True); "
                              "attach the guard to the model being trained")
         if optimizer is not None:
+            self._add_outside(optimizer)
             self._signature = self._opt_signature()
             self._frozen = [p for p in self._untracked_optimizer_params() if not p.requires_grad]
+
+    def _add_outside(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Trainable parameters the optimizer steps that are not the model's (a learnable temperature
+        or loss weight kept beside the model): each is an entry of its own layer, named from its
+        place in the optimizer (``optimizer.param_groups[0].params[5]``), so its gradient is
+        measured (a NaN there is caught like any other) and it is skipped, clipped and LR-scaled
+        with the rest. None in most runs; the model's own parameters are matched by identity."""
+        model_ids = {id(p) for p in self.model.parameters()}
+        in_opt = [p for g in optimizer.param_groups for p in g["params"]]
+        if not any(id(p) in model_ids for p in in_opt):
+            return []  # an optimizer of another model: refused by the core (the wrong model was passed)
+        pairs = []
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in self._ids and id(p) not in model_ids:
+                    pairs.append((f"optimizer.param_groups[{gi}].params[{pi}]", p))
+        added = []
+        for name, p in pairs:
+            if id(p) in self._ids:
+                continue
+            li = self._seen.get(name)
+            if li is None:
+                li = self._seen[name] = len(self.layer_names)
+                self.layer_names.append(name)
+            self._ids.add(id(p))
+            self.params.append(p)
+            self.param_names.append(name)
+            self.layer_index.append(li)
+            self.views.append(None)
+            added.append(name)
+        if added:
+            self._unique = None
+        return added
 
     def _layer(self, pname: str) -> int:
         layer = self._fn(pname)
@@ -208,6 +242,7 @@ class LayerMap:
         in_opt = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         added = self._add([(n, p) for n, p in self.model.named_parameters()
                            if p.requires_grad and id(p) in in_opt])
+        added += self._add_outside(self.optimizer)
         self._frozen = [p for p in self._untracked_optimizer_params() if not p.requires_grad]
         if added:
             self.version += 1

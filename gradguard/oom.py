@@ -52,6 +52,16 @@ class PieceFailed(Exception):
         self.touched = touched
 
 
+class _ModelParams:
+    """``core.model``'s parameters, as a picklable callable."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+
+    def __call__(self) -> list[torch.nn.Parameter]:
+        return list(self.core.model.parameters())
+
+
 class OomRecovery:
     """The out-of-memory rule of one run (see the module docstring).
 
@@ -70,6 +80,20 @@ class OomRecovery:
         self.shrink_to = shrink_to
         self.monitor_too = monitor_too
         self.events = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (``pickle`` / ``copy.deepcopy`` of a guard): a ``params`` that is a local
+        function (the plain Guard's ``lambda: list(model.parameters())``) is stored as the model's
+        parameters read from the core's model, rebuilt the same way on load."""
+        state = dict(self.__dict__)
+        if getattr(state["params"], "__qualname__", "").endswith("<lambda>"):
+            state["params"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.params is None:
+            self.params = _ModelParams(self.core)
 
     def can_recover(self, samples: int, world_size: int = 1) -> bool:
         """Whether an error in a micro-batch of ``samples`` is handled (else the adapter re-raises)."""

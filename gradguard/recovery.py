@@ -8,6 +8,14 @@
   unless ``recovery.restore_schedule``, the policy's Adam beta2/eps, weight decay...).
 * :func:`safe_load`: the only way a checkpoint file is read: ``torch.load(weights_only=True)``.
 
+Only this run's checkpoints are trusted: a checkpoint is rolled back to only when its path lies inside
+the run's own checkpoint folder(s) (``source.roots``: the Trainer's ``output_dir``, the
+``ModelCheckpoint`` folders; symlinks resolved; a file elsewhere is never read), and, once
+fingerprinted (the sizes and modification times of its files with a random id of this process, taken
+at the first step after the save and kept in memory, so identical runs save identical states), only
+while its files still match. A run forked by copying its folder, or a tampered guard state naming another
+path, does not roll back into someone else's files (a ``snapshot_fallback`` event says why).
+
 The trust rule (every engine, and the in-memory snapshot ring): a checkpoint written after step
 ``s`` becomes trusted once ``recovery.confirm_steps`` healthy steps have followed it; an unstable
 step first (a spike, a non-finite loss or gradient, an overflow rate, a scale collapse) marks it bad
@@ -16,8 +24,11 @@ for good. Suspect steps count neither way.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
+import os
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +38,7 @@ from .contract import CheckpointSource, Collective
 from .policy import INSTABILITY_KINDS
 from .snapshot import load_optimizer_keeping_settings  # the one optimizer restore, beside copy_state
 
-__all__ = ["CheckpointTier", "BAD_KINDS", "step_verdict", "rollback_from_checkpoints", "restore_training_state",
+__all__ = ["CheckpointTier", "checkpoint_fingerprint", "BAD_KINDS", "step_verdict", "rollback_from_checkpoints", "restore_training_state",
            "load_optimizer_keeping_settings", "safe_load", "UnsafeCheckpoint"]
 
 #: findings that make a checkpoint written just before them unusable for a rollback
@@ -44,12 +55,70 @@ def step_verdict(findings: list[Any], loss: float | None, *, unstable: bool = Fa
     return healthy, bad
 
 
+#: Files of a checkpoint folder left out of its fingerprint: gradguard's own state file (written
+#: after the save) and the Trainer's bookkeeping that a later save may touch; temp files.
+_UNFINGERPRINTED = frozenset({"gradguard_state.json", "trainer_state.json"})
+_MAX_FILES = 10_000
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def checkpoint_fingerprint(path: str, run_id: str) -> str | None:
+    """sha256 of the run id and the (relative name, size, mtime) of the checkpoint's files (a folder:
+    every file under it but :data:`_UNFINGERPRINTED` and temp files), None when it cannot be taken
+    (missing, a URL). Cheap: no file is read."""
+    if not path or _is_url(path):
+        return None
+    try:
+        items: list[tuple[str, int, int]] = []
+        if os.path.isdir(path):
+            for folder, dirs, files in os.walk(path):
+                dirs.sort()
+                for name in sorted(files):
+                    if name in _UNFINGERPRINTED or ".tmp" in name:
+                        continue
+                    f = os.path.join(folder, name)
+                    st = os.stat(f)
+                    items.append((os.path.relpath(f, path), st.st_size, st.st_mtime_ns))
+                    if len(items) > _MAX_FILES:
+                        return None
+        else:
+            st = os.stat(path)
+            items.append((os.path.basename(path), st.st_size, st.st_mtime_ns))
+    except OSError:
+        return None
+    h = hashlib.sha256(run_id.encode())
+    for name, size, mtime in items:
+        h.update(f"{name}\0{size}\0{mtime};".encode())
+    return h.hexdigest()
+
+
+def _inside(path: str, roots: list[str]) -> bool:
+    if _is_url(path):
+        return any(r and path.startswith(r.rstrip("/") + "/") for r in roots)
+    real = os.path.realpath(path)
+    for root in roots:
+        if not root or _is_url(root):
+            continue
+        r = os.path.realpath(root)
+        if real == r or real.startswith(r.rstrip(os.sep) + os.sep):
+            return True
+    return False
+
+
 class CheckpointTier:
-    """The engine's checkpoints as the rollback disk tier, with the one trust rule."""
+    """The engine's checkpoints as the rollback disk tier, with the one trust rule (and only this
+    run's checkpoints: see :meth:`untrusted`)."""
 
     def __init__(self, confirm_steps: int) -> None:
         self.confirm_steps = max(1, int(confirm_steps))
         self.entries: list[dict[str, Any]] = []  # {"step", "path", "healthy", "tested", "bad"}
+        self.run_id = secrets.token_hex(8)  # this process's run
+        #: "<step>:<path>" -> the checkpoint's fingerprint, taken at the first step after its save (kept
+        #: in this process only: a saved guard state stays the same for identical runs)
+        self.fingerprints: dict[str, str | None] = {}
 
     def saved(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> None:
         """The engine wrote a checkpoint after update ``step`` (one entry per file; a re-used name
@@ -57,6 +126,7 @@ class CheckpointTier:
         for path in paths or ("",):
             path = str(path)
             self.entries = [e for e in self.entries if not (e["path"] == path and (path or e["step"] == step))]
+            self.fingerprints.pop(f"{int(step)}:{path}", None)
             self.entries.append({"step": int(step), "path": path, "healthy": 0, "tested": False, "bad": False})
 
     def state_with(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> list[dict[str, Any]]:
@@ -70,7 +140,12 @@ class CheckpointTier:
         return ahead.state_dict()
 
     def observe(self, step: int, healthy: bool, bad: bool) -> None:
-        """One step's verdict (see :func:`step_verdict`)."""
+        """One step's verdict (see :func:`step_verdict`). A checkpoint saved before this step is
+        fingerprinted now (its files are complete), once."""
+        for e in self.entries:
+            key = f"{e['step']}:{e['path']}"
+            if step > e["step"] and key not in self.fingerprints:
+                self.fingerprints[key] = checkpoint_fingerprint(str(e["path"]), self.run_id)
         for e in self.entries:
             if e["tested"] or e["bad"] or step <= e["step"]:
                 continue
@@ -93,6 +168,27 @@ class CheckpointTier:
 
     def state_dict(self) -> list[dict[str, Any]]:
         return [dict(e) for e in self.entries]
+
+    def outside(self, entry: dict[str, Any], roots: list[str] | None) -> str:
+        """Why ``entry`` is not this run's checkpoint by its place ('' when it is): a path outside the
+        run's checkpoint folders ``roots`` (None: the source names none, no location check)."""
+        path = str(entry.get("path") or "")
+        if path and roots is not None and not _inside(path, [str(r) for r in roots if r]):
+            return (f"{path} lies outside this run's checkpoint folder(s) {[str(r) for r in roots if r]} (a copied run "
+                    "or an edited guard state names another run's checkpoint): not trusted")
+        return ""
+
+    def changed(self, entry: dict[str, Any]) -> str:
+        """Why ``entry``'s files are not the ones saved ('' when they are, or were never fingerprinted)."""
+        path = str(entry.get("path") or "")
+        fp = self.fingerprints.get(f"{entry['step']}:{path}")
+        if fp and checkpoint_fingerprint(path, self.run_id) != fp:
+            return f"{path} changed since it was saved (its files' sizes or times differ): not trusted"
+        return ""
+
+    def untrusted(self, entry: dict[str, Any], roots: list[str] | None) -> str:
+        """:meth:`outside` or :meth:`changed` ('' for a checkpoint of this run, as saved)."""
+        return self.outside(entry, roots) or self.changed(entry)
 
     def load_state_dict(self, state: list[dict[str, Any]] | None) -> None:
         self.entries = []
@@ -163,11 +259,19 @@ def rollback_from_checkpoints(tier: CheckpointTier, source: CheckpointSource, co
     can read is restored (one vote per file tried). Unusable files (gone, overwritten, unsafe,
     mismatched) are forgotten with a ``snapshot_fallback`` event naming the file and why. Returns
     ``{"to_step", "path", "source": "checkpoint"}`` or None."""
+    roots = getattr(source, "roots", None)
     for entry in tier.candidates():
         path = entry["path"]
         payload, problem = None, ""
         try:
-            payload = source.read(path, int(entry["step"]))
+            why = tier.outside(entry, roots)  # never read another run's files
+            if why:
+                raise PermissionError(why)
+            payload = source.read(path, int(entry["step"]))  # weights_only=True: reading is safe
+            why = tier.changed(entry)  # rewritten since it was saved: not restored
+            if why:
+                payload = None
+                raise PermissionError(why)
         except Exception as exc:
             problem = f"{path}: {type(exc).__name__}: {exc}"[:400]
         if not collective.all_agree(payload is not None):  # every process restores, or none does

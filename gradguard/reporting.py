@@ -281,6 +281,10 @@ class Reporter:
                                optimizer=self.optimizer_at_start)
         return out
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self, summary: dict[str, Any]) -> None:
         if self._closed:
             return

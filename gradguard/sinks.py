@@ -202,7 +202,15 @@ class JSONLSink(Sink):
                     self._flush_remote()
             return
         if self._fh is None:
-            return
+            if not getattr(self, "_reopen", False):
+                return
+            self._reopen = False  # a copy (pickle, deepcopy): the log is opened again, for appending
+            try:
+                _io.check_write(self.path)
+                self._fh = logdir.open_append(self.path)  # type: ignore[assignment]
+            except OSError as exc:
+                self._fail("open", exc)
+                return
         try:
             _io.check_write(self.path)
             self._fh.write(json.dumps(_clean(obj), sort_keys=False) + "\n")
@@ -226,9 +234,21 @@ class JSONLSink(Sink):
         except Exception:  # noqa: BLE001  (the log never fails over an engine's step)
             return record
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (``pickle``, ``copy.deepcopy`` of a guard): the open file is not copied; a copy
+        opens the log again, in append mode, at its first record (a closed log stays closed)."""
+        state = dict(self.__dict__)
+        state["_reopen"] = self._fh is not None or bool(state.get("_reopen"))
+        state["_fh"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     def close(self, summary: dict[str, Any] | None = None) -> None:
         if summary is not None:
             self._write({"type": "summary", **summary})
+        self._reopen = False
         if self._remote:
             self._flush_remote()
         if self._fh is not None:

@@ -25,7 +25,8 @@ from ._compat import local_optimizer
 from ._shard import load_model_state, local_state, model_state, rewrap_optimizer_state
 
 __all__ = ["load_optimizer_keeping_settings", "Snapshot", "SnapshotRing", "DiskSnapshots", "SnapshotUnavailable", "copy_state", "copy_into",
-           "state_nbytes", "model_fingerprint", "optimizer_structure", "clean_orphans"]
+           "state_nbytes", "model_fingerprint", "optimizer_structure", "clean_orphans",
+           "reclaim_dead_runs", "write_owner", "OWNER_FILE"]
 
 _TMP_MARK = ".tmp-"
 
@@ -56,9 +57,11 @@ def _host() -> str:
     return socket.gethostname().replace(os.sep, "_") or "host"
 
 
-def _tmp_suffix() -> str:
-    """Temp-file suffix naming the writer (host and pid), so only dead writers' files are removed."""
-    return f"{_TMP_MARK}{_host()}-{os.getpid()}"
+def _tmp_path(final: str) -> str:
+    """A fresh temp-file name beside ``final`` naming the writer (host and pid, so only dead writers'
+    files are removed) and a random part (the file is created with ``O_EXCL``: nothing planted at a
+    guessable name is ever written through)."""
+    return _io.temp_name(final, f"{_host()}-{os.getpid()}.")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -84,6 +87,7 @@ def clean_orphans(root: str) -> list[str]:
             os.path.join(root, "*", "*" + _TMP_MARK + "*")):
         writer = path.rsplit(_TMP_MARK, 1)[1]
         host, _, pid_text = writer.rpartition("-")
+        pid_text = pid_text.split(".", 1)[0]  # <host>-<pid>.<random>
         if (host and host != _host()) or not pid_text.isdigit() or _pid_alive(int(pid_text)):
             continue  # another machine's writer (cannot tell if it runs), or a live one
         try:
@@ -92,6 +96,86 @@ def clean_orphans(root: str) -> list[str]:
         except OSError:
             pass
     return removed
+
+
+#: The file naming a disk snapshot folder's owner (host, pid, the process's start time).
+OWNER_FILE = "owner.json"
+
+
+def _proc_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (Linux: field 22 of ``/proc/<pid>/stat``), None elsewhere:
+    tells a live owner from a later process that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            text = fh.read()
+        return text.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def write_owner(directory: str) -> None:
+    """Record this process as the owner of a run's snapshot folder (read by :func:`reclaim_dead_runs`)."""
+    import json
+
+    _io.atomic_write(os.path.join(directory, OWNER_FILE),
+                     json.dumps({"host": _host(), "pid": os.getpid(), "start": _proc_start(os.getpid())}), fsync=False)
+
+
+def _owner_dead(directory: str) -> bool:
+    """Whether the folder's owner is known to be gone: it ran on this host and its pid no longer
+    runs (or runs a later process: another start time). Unknown owners count as alive."""
+    import json
+
+    try:
+        with open(os.path.join(directory, OWNER_FILE), encoding="utf-8") as fh:
+            owner = json.load(fh)
+        host, pid, start = owner["host"], int(owner["pid"]), owner.get("start")
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # no owner file (an older gradguard) or unreadable: never touched
+    if host != _host() or pid <= 0:
+        return False  # another machine's run: cannot tell whether it still runs
+    if pid == os.getpid():
+        return False  # this process: a ring of ours
+    if _pid_alive(pid):
+        now = _proc_start(pid)
+        return bool(start and now and now != start)  # the pid was reused by a later process
+    return True
+
+
+def reclaim_dead_runs(root: str) -> list[str]:
+    """Remove the snapshot folders (``<root>/run-*``) of runs that died without closing (killed,
+    crashed) on this host: their snapshots are of no use to anyone, and they hold disk space. Only
+    gradguard's own files are removed (the folder stays if anything else is in it); a live
+    process's folder, another host's and one without an owner file are never touched. Returns the
+    removed folders."""
+    removed: list[str] = []
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return removed
+    for name in names:
+        folder = os.path.join(root, name)
+        if not name.startswith("run-") or os.path.islink(folder) or not os.path.isdir(folder):
+            continue
+        if not _owner_dead(folder):
+            continue
+        try:
+            for f in os.listdir(folder):
+                if f.startswith("snapshot-") or f == OWNER_FILE:
+                    os.remove(os.path.join(folder, f))
+            os.rmdir(folder)
+            removed.append(folder)
+        except OSError:
+            pass
+    return removed
+
+
+@torch.no_grad()
+def _copy_params(params: list[torch.Tensor], saved: Any) -> None:
+    if isinstance(saved, list) and len(saved) == len(params):
+        for p, v in zip(params, saved):
+            if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                p.copy_(v)
 
 
 def copy_state(obj: Any, device: str | torch.device | None = "cpu", pin: bool = False) -> Any:
@@ -183,10 +267,10 @@ class DiskSnapshots:
         """Write one snapshot atomically. On an I/O error (read-only folder, disk full) the temp
         files are removed and the ``OSError`` propagates; no partial snapshot is left behind."""
         final = self.path(step)
-        tmp = final + _tmp_suffix()
-        digest_tmp = final + ".sha256" + _tmp_suffix()
+        tmp = _tmp_path(final)
+        digest_tmp = _tmp_path(final + ".sha256")
         try:
-            with open(tmp, "wb") as fh:
+            with _io.create_new(tmp, binary=True) as fh:
                 writer = _HashingWriter(fh, final)
                 try:
                     torch.save(state, writer)
@@ -196,7 +280,7 @@ class DiskSnapshots:
                     raise
                 fh.flush()
                 os.fsync(fh.fileno())
-            with open(digest_tmp, "w", encoding="ascii") as fh:
+            with _io.create_new(digest_tmp) as fh:
                 fh.write(writer.hash.hexdigest())
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -306,8 +390,9 @@ class SnapshotRing:
 
     With ``disk_dir`` the files of this ring go to a folder of their own,
     ``<disk_dir>/run-<run_id>/`` (two runs sharing ``disk_dir`` never touch each other's files),
-    each holding the fingerprint of the model it was taken from. Temp files of writers that died
-    mid-write are removed at start. An I/O error (read-only folder, disk full, files deleted)
+    each holding the fingerprint of the model it was taken from, and an ``owner.json`` naming the
+    host and process. Temp files of writers that died mid-write, and the folders of runs that died
+    without closing on this host (:func:`reclaim_dead_runs`), are removed at start. An I/O error (read-only folder, disk full, files deleted)
     never propagates: it becomes a ``snapshot_io_error`` event and a warning, and snapshots
     continue in host memory."""
 
@@ -325,6 +410,14 @@ class SnapshotRing:
         self.candidates: list[Snapshot] = []
         self.ring: list[Snapshot] = []
         self.extra: dict[str, tuple[Any, Any]] = {}  # name -> (get_state, set_state)
+        # trainable parameters the optimizer steps that are not the model's (a learnable temperature):
+        # not in the model's state, so snapshotted beside it and put back by a rollback too
+        model_ids = {id(p) for p in model.parameters()}
+        outside = [p for g in self.optimizer.param_groups for p in g["params"]
+                   if isinstance(p, torch.Tensor) and id(p) not in model_ids]
+        if outside and any(id(p) in model_ids for g in self.optimizer.param_groups for p in g["params"]):
+            self.register("optimizer_only_params", lambda: [p.detach().to("cpu", copy=True) for p in outside],
+                          lambda saved: _copy_params(outside, saved))
         self.taken = 0
         self.restored = 0
         self.total_seconds = 0.0
@@ -342,9 +435,13 @@ class SnapshotRing:
             orphans = clean_orphans(disk_dir)
             if orphans:
                 self._event({"type": "snapshot_orphans_removed", "step": 0, "paths": orphans})
+            dead = reclaim_dead_runs(disk_dir)
+            if dead:
+                self._event({"type": "snapshot_orphans_removed", "step": 0, "paths": dead})
             try:
                 _io.check_write(disk_dir)
                 self.disk = DiskSnapshots(os.path.join(disk_dir, f"run-{self.run_id}"))
+                write_owner(self.disk.directory)
                 self.disk_writable = True
             except OSError as exc:
                 self._io_error("create the snapshot folder", exc, 0)
@@ -609,7 +706,7 @@ class SnapshotRing:
         if self.disk is not None:
             try:
                 for name in os.listdir(self.disk.directory):
-                    if name.startswith("snapshot-"):
+                    if name.startswith("snapshot-") or name == OWNER_FILE:
                         os.remove(os.path.join(self.disk.directory, name))
                 os.rmdir(self.disk.directory)
             except OSError:

@@ -18,7 +18,8 @@ from torch import nn
 
 from .measure import _WRAPPER_PREFIXES
 
-__all__ = ["StateError", "model_signature", "check_fields", "validate_core_state", "load_core_state"]
+__all__ = ["StateError", "model_signature", "check_fields", "validate_core_state", "load_core_state", "check_ranges",
+           "check_resume_step", "MAX_COUNT"]
 
 _FIX = "Fix: load a state saved by gradguard's state_dict() for this model (or start without it)"
 
@@ -142,6 +143,101 @@ def _counts(where: str, value: Mapping[str, Any]) -> None:
                              f"keyed by name. {_FIX}")
 
 
+#: The largest count or step a state may hold (2**53: exact in a float, far beyond any real run).
+MAX_COUNT = 2 ** 53
+#: Where a state's numbers are range-checked (path -> (low, high, low_open)); every int elsewhere in
+#: the guard's own entries must lie in [-MAX_COUNT, MAX_COUNT] and every float there be finite or None
+#: (a hand-edited or corrupted state is refused before anything is applied).
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "lr.global_mult": (0.0, 1.0, True), "lr.global_ceiling": (0.0, 1.0, True),
+    "lr.batch_scale": (0.0, 1e6, True), "clip.max_norm": (0.0, 1e12, True), "clip.var": (0.0, math.inf, False),
+    "clip.temp_norm": (0.0, 1e12, True),
+}
+_COUNT_KEYS = ("step_count", "applied_steps", "skipped_steps", "n_findings", "grow_healthy")
+_RANGE_SECTIONS = ("detectors", "policy", "clip", "lr", "adam", "snapshots")
+
+
+def _bad_number(where: str, value: Any, must: str) -> StateError:
+    return StateError(f"gradguard state {where}={_short(value)}: must be {must}. {_FIX}")
+
+
+def _check_numbers(where: str, value: Any) -> None:
+    """Every number under ``value``: ints within +-MAX_COUNT, floats finite (None allowed), and the
+    ranges of :data:`_RANGES`."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_numbers(f"{where}.{k}" if where else str(k), v)
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_numbers(f"{where}[{i}]", v)
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, int) and abs(value) > MAX_COUNT:
+        raise _bad_number(where, value, f"at most {MAX_COUNT} in size")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _bad_number(where, value, "a finite number")
+    bounds = _RANGES.get(where)
+    if bounds is not None:
+        low, high, low_open = bounds
+        if value > high or value < low or (low_open and value == low):
+            raise _bad_number(where, value, f"in {'(' if low_open else '['}{low:g}, {high:g}]")
+
+
+def check_ranges(state: Mapping[str, Any]) -> None:
+    """Range checks of a whole ``GuardCore`` state (its kinds already checked): counts are ints in
+    [0, MAX_COUNT], LR multipliers in (0, 1], the clip finite and > 0, no NaN or infinity in the
+    detectors' baselines, the policy, clip or LR state. Raises :class:`StateError` naming the entry."""
+    for key in _COUNT_KEYS:
+        if key in state and not 0 <= state[key] <= MAX_COUNT:
+            raise _bad_number(key, state[key], f"an int in [0, {MAX_COUNT}]")
+    for key in ("applied_steps", "skipped_steps"):
+        if key in state and state[key] > state["step_count"]:
+            raise _bad_number(key, state[key], f"at most step_count={state['step_count']}")
+    for key in ("action_counts", "culprits"):
+        for name, v in state[key].items():
+            if v > MAX_COUNT:
+                raise _bad_number(f"{key}[{name!r}]", v, f"an int in [0, {MAX_COUNT}]")
+    for key in _RANGE_SECTIONS:
+        if state.get(key) is not None:
+            _check_numbers(key, state[key])
+    for key in ("layer_mult", "layer_ceiling"):
+        for name, v in state["lr"].get(key, {}).items():
+            if isinstance(v, (int, float)) and not 0 < v <= 1:
+                raise _bad_number(f"lr.{key}[{name!r}]", v, "in (0, 1]")
+    policy = state["policy"]
+    for key in ("level", "skip_streak", "healthy"):
+        v = policy.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v < 0:
+            raise _bad_number(f"policy.{key}", v, "an int >= 0")
+    for key in ("healthy", "count", "clipped", "temp_left"):
+        v = state["clip"].get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v < 0:
+            raise _bad_number(f"clip.{key}", v, "an int >= 0")
+    for key in ("healthy", "ceiling_healthy", "warm_left"):
+        v = state["lr"].get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v < 0:
+            raise _bad_number(f"lr.{key}", v, "an int >= 0")
+
+
+def check_resume_step(guard: Any, engine_step: int, where: str) -> None:
+    """A guard state belongs to the checkpoint it is resumed with: its ``step_count`` is the engine's
+    step counter at that save. A state of another checkpoint (``checkpoint-10``'s state with
+    ``checkpoint-5``'s weights) would put back LR cuts, clips and baselines of a future the weights
+    have not lived: :class:`StateError` naming both steps."""
+    if not isinstance(guard, Mapping):
+        return
+    saved = guard.get("step_count")
+    if isinstance(saved, bool) or not isinstance(saved, int) or saved == int(engine_step):
+        return
+    raise StateError(
+        f"gradguard state step_count={saved!r} from {where} does not match the checkpoint resumed from "
+        f"(the engine's global step is {int(engine_step)}): the guard state belongs to another checkpoint. "
+        "Fix: resume from the checkpoint this guard state was saved with, or remove the guard state "
+        "(gradguard_state.json / the callback's entry) to resume with a fresh guard")
+
+
 def validate_core_state(core: Any, state: Any, version: int) -> None:
     """Check a whole ``GuardCore`` state against ``core`` without changing anything."""
     if not isinstance(state, Mapping):
@@ -151,7 +247,7 @@ def validate_core_state(core: Any, state: Any, version: int) -> None:
         raise StateError(f"gradguard state version={_short(state.get('version'))}: this gradguard reads "
                          f"version {version}. Fix: load a state saved by this gradguard version")
     check_fields("", state, _CORE_FIELDS, _OPTIONAL)
-    for key in ("step_count", "applied_steps", "skipped_steps", "n_findings", "grow_healthy"):
+    for key in _COUNT_KEYS:
         if key in state and state[key] < 0:
             raise StateError(f"gradguard state {key}={state[key]!r}: must be >= 0. {_FIX}")
     sig = state.get("model_signature")
@@ -173,6 +269,7 @@ def validate_core_state(core: Any, state: Any, version: int) -> None:
     for key, value in state["lr"].get("layer_mult", {}).items():
         if not math.isfinite(value) or value <= 0:
             raise StateError(f"gradguard state lr.layer_mult[{key!r}]={value!r}: must be finite and > 0. {_FIX}")
+    check_ranges(state)
 
 
 def load_core_state(core: Any, state: Any, apply: Callable[[Mapping[str, Any]], None], version: int) -> None:

@@ -250,10 +250,11 @@ def test_unfrozen_and_added_parameters_are_measured_and_rollback_stays_whole(qui
     guard.close()
 
 
-def test_real_disk_full_mid_write_is_an_io_error_not_a_crash(tmp_path):
+def test_real_disk_full_mid_write_is_an_io_error_not_a_crash(tmp_path, monkeypatch):
     """A real ENOSPC (the snapshot's temp file is /dev/full) in the middle of torch.save, which
-    torch reports as a bare RuntimeError: still a snapshot_io_error, training goes on."""
-    from gradguard.snapshot import _tmp_suffix
+    torch reports as a bare RuntimeError: still a snapshot_io_error, training goes on. (Temp files
+    get random names created with O_EXCL, so /dev/full is handed in where the temp file is opened.)"""
+    from gradguard import _io
 
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
@@ -264,13 +265,21 @@ def test_real_disk_full_mid_write_is_an_io_error_not_a_crash(tmp_path):
     guard = _disk_guard(tmp_path, model, opt, sink=sink)
     gen = torch.Generator().manual_seed(0)
     _train(guard, model, 1, gen)
-    trap = os.path.join(guard.core.snapshots.disk.directory, "snapshot-000000002.pt" + _tmp_suffix())
-    os.symlink("/dev/full", trap)  # writes to it fail with ENOSPC, as on a full disk
+    create_new, opened = _io.create_new, []
+
+    def full_disk(path, binary=False):  # writes to it fail with ENOSPC, as on a full disk
+        if binary and "snapshot-000000002.pt" + _io.TMP_MARK in path:
+            opened.append(path)
+            open(path, "wb").close()  # the temp file exists, as the real one would
+            return open("/dev/full", "wb")
+        return create_new(path, binary)
+
+    monkeypatch.setattr(_io, "create_new", full_disk)
     with pytest.warns(RuntimeWarning, match="No space left on device"):
         reports = _train(guard, model, 3, gen)
     assert all(r.applied for r in reports)
     err = [e for e in sink.events if e["type"] == "snapshot_io_error"]
     assert err and err[0]["errno"] == 28 and err[0]["step"] == 2
-    assert not os.path.lexists(trap)  # the temp name is cleaned up
+    assert opened and not os.path.lexists(opened[0])  # the temp file is cleaned up
     assert guard.core.snapshots.candidates[-1].state  # the snapshot is kept in memory instead
     guard.close()

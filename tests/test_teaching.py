@@ -212,3 +212,30 @@ def test_user_code_finishing_the_wandb_run_does_not_stop_training(tmp_path, wand
         later = _train_guard(guard, model, 3)
         summary = guard.close()
     assert len(first + later) == 5 and summary["steps"] == 5
+
+
+def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(tmp_path):
+    """The forward of a step the guard skips moved BatchNorm's running statistics; the core puts
+    them back (gradguard.running_stats, settled in after_step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = gg.GuardConfig.preset("default", output={"dir": str(tmp_path), "console": False})
+    guard = gg.Guard(model, opt, config=cfg)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        loss = model(torch.randn(16, 4, generator=gen)).pow(2).mean()
+        loss.backward()
+        assert guard.step(loss).applied
+        opt.zero_grad()
+    bn = model[1]
+    before = (bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
+    out = model(1000 * torch.randn(16, 4, generator=gen))  # a garbage batch: huge activations
+    loss = out.pow(2).mean() * float("nan")
+    loss.backward()
+    assert bn.running_var.max() > 100 * before[1].max()  # the forward moved them
+    report = guard.step(loss)
+    assert not report.applied
+    assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
+    assert int(bn.num_batches_tracked) == before[2]
+    guard.close()

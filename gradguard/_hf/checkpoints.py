@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._io import atomic_write
 from ..errors import StateError
 from ..recovery import check_weights, restore_training_state, safe_load
 
@@ -58,6 +59,11 @@ class TrainerCheckpoints:
         self.scheduler = scheduler
         self.restore_schedule = restore_schedule
 
+    @property
+    def roots(self) -> list[str]:
+        """The run's checkpoint folder: only checkpoints inside it are rolled back to."""
+        return [self.output_dir]
+
     def saved_paths(self, step: int) -> list[str]:
         return [os.path.join(self.output_dir, f"checkpoint-{step}")]
 
@@ -90,13 +96,7 @@ class TrainerCheckpoints:
 def write_state_file(folder: str, state: dict[str, Any]) -> str:
     """Write the guard's state into a checkpoint folder atomically (never a half-written file)."""
     final = os.path.join(folder, STATE_FILE)
-    tmp = final + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
-    return final
+    return atomic_write(final, json.dumps(state))  # a fresh temp file, never through a symlink
 
 
 def read_state_file(path: str) -> dict[str, Any]:

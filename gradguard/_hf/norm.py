@@ -16,7 +16,39 @@ from ..guard import GuardCore, StepReport
 from ..measure import EngineClip
 from .steps import StepRunner
 
-__all__ = ["StepDecision"]
+__all__ = ["StepDecision", "loss_blind_warning"]
+
+
+def loss_blind_warning(core: GuardCore, runner: StepRunner) -> None:
+    """A step computed without a loss in the model's output (the Trainer computed it from the logits:
+    ``label_smoothing_factor > 0``, ``compute_loss_func``, an overridden ``compute_loss``): the loss
+    detector is blind, and no snapshot is ever confirmed. Warned once, naming the cause and the fix
+    (``GradGuardCallback.observe_loss``), also as a ``misuse`` event."""
+    from ..errors import warn
+
+    trainer = getattr(runner, "trainer", None)
+    args = getattr(runner, "args", None) or getattr(trainer, "args", None)
+    causes = []
+    smoothing = getattr(args, "label_smoothing_factor", 0) or 0
+    if smoothing > 0:
+        causes.append(f"TrainingArguments.label_smoothing_factor={smoothing!r} (the Trainer takes the labels out and "
+                      "computes the smoothed loss from the logits)")
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        causes.append("Trainer(compute_loss_func=...) computes the loss")
+    try:
+        from transformers import Trainer
+
+        if trainer is not None and type(trainer).compute_loss is not Trainer.compute_loss:
+            causes.append(f"{type(trainer).__name__}.compute_loss is overridden")
+    except ImportError:  # pragma: no cover - the callback needs transformers
+        pass
+    why = "; ".join(causes) or "the model's forward output holds no loss (outputs.loss / output['loss'])"
+    message = (f"gradguard: the step's loss is not visible to the guard ({why}), so loss spikes cannot be detected "
+               "and no snapshot is ever confirmed (rollback is impossible). Fix: have the model return its loss "
+               "(outputs.loss), or feed it: call callback.observe_loss(loss) in your compute_loss for every "
+               "micro-batch (the GradGuardCallback instance)")
+    warn(message, stacklevel=2)
+    core.emit({"type": "misuse", "step": core.step_count + 1, "kind": "loss_not_visible", "message": message})
 
 
 class StepDecision:
@@ -35,6 +67,7 @@ class StepDecision:
         self.decided = False  # this step's decision was taken in the Trainer's norm pass
         self.norm_plain: bool | None = None  # the Trainer's norm pass can be taken over (first step)
         self._shadow: tuple[Any, Any, Any] | None = None  # (trainer, wrapper, previous)
+        self.loss_blind_warned = False
 
     def pre_step(self) -> StepReport | None:
         """The step's decision (gradients accumulated and unscaled): ``core.before_step``, the
@@ -55,6 +88,9 @@ class StepDecision:
             self.held.hold()
             core.discard_step()
             return None
+        if loss is None and not self.loss_blind_warned:
+            self.loss_blind_warned = True
+            loss_blind_warning(core, runner)
         replay = self.replay_clip
         engine = EngineClip(runner.params, replay) if replay is not None else None
         report = core.before_step(loss=loss, scaler=self.scaler, drop_on_skip=True, engine_clip=engine)

@@ -13,6 +13,7 @@ from .._compat import check_features, hf_callback_list, is_deepspeed_engine
 from ..act import unwrap_optimizer
 from ..adapter import SchedulerHold, check_ladder, engine_refusal, refuse_unsupported, resolve_clip
 from ..config import GuardConfig
+from ..errors import ConfigError, warn
 from ..guard import GuardCore
 from ..logdir import choose_log_dir
 from ..sinks import Sink
@@ -21,7 +22,7 @@ from .loader import TrainerLoader
 from .norm import StepDecision
 from .steps import StepRunner
 
-__all__ = ["unsupported", "validate", "effective_config", "event_log_dir", "build", "log_entries", "tensorboard_dir"]
+__all__ = ["once_in_callbacks", "unsupported", "validate", "effective_config", "event_log_dir", "build", "log_entries", "tensorboard_dir"]
 
 _UNSKIPPABLE_OPTIMS = ("lomo", "adalomo")  # update inside backward: no optimizer step to skip
 HF_DEFAULT_MAX_GRAD_NORM = 1.0  # TrainingArguments.max_grad_norm's default
@@ -30,17 +31,16 @@ _CLIP_SETTING = "TrainingArguments.max_grad_norm"
 
 def validate(config: GuardConfig, args: Any, optimizer: Any, trainer: Any = None) -> bool:
     """Whether gradguard guards this setup (False: monitor mode on an unsupported one, standing aside);
-    a config or setup it refuses raises at ``on_train_begin``."""
+    a config or setup it refuses raises at ``on_train_begin`` (the clip rule: :func:`effective_config`,
+    evaluated once, right after)."""
     check_ladder(config)
-    ok = refuse_unsupported(config, unsupported(args, optimizer, trainer))
-    if ok:
-        resolve_clip(config, args.max_grad_norm, engine_default=HF_DEFAULT_MAX_GRAD_NORM, setting=_CLIP_SETTING)
-    return ok
+    return refuse_unsupported(config, unsupported(args, optimizer, trainer))
 
 
 def effective_config(config: GuardConfig, args: Any) -> tuple[GuardConfig, float | None]:
-    """The user's config with the clip rule applied (``gradguard.adapter.resolve_clip``), and the
-    Trainer's clip to replay; one event log per run (the main process writes it)."""
+    """The user's config with the clip rule applied (``gradguard.adapter.resolve_clip``, evaluated
+    once per run: its conflict error or warning comes from here), and the Trainer's clip to replay;
+    one event log per run (the main process writes it)."""
     cfg, replay = resolve_clip(copy.deepcopy(config), args.max_grad_norm, engine_default=HF_DEFAULT_MAX_GRAD_NORM,
                                setting=_CLIP_SETTING)
     if getattr(args, "process_index", 0) != 0:
@@ -81,6 +81,27 @@ def build(cfg: GuardConfig, replay_clip: float | None, args: Any, model: Any, op
     batches = TrainerLoader(train_dataloader, args.gradient_accumulation_steps, runner)
     core.attach_batches(batches)
     return core, runner, decision, batches
+
+
+def once_in_callbacks(callback: Any, handler: Any, config: GuardConfig) -> None:
+    """The same callback instance in the Trainer's callback list twice (``callbacks=[cb]`` and then
+    ``trainer.add_callback(cb)``; the Trainer only warns): every event would reach it twice, each step
+    measured and counted twice and its state saved under one key. Acting: :class:`ConfigError`;
+    monitor mode: a warning, and the second entry is taken out (it must not stop the run)."""
+    callbacks = getattr(handler, "callbacks", None)
+    if not isinstance(callbacks, list):
+        return
+    n = sum(c is callback for c in callbacks)
+    if n < 2:
+        return
+    message = (f"GradGuardCallback: the same callback instance is in the Trainer's callbacks {n} times, so every "
+               "step would be measured and acted on {n} times. Fix: pass it once (Trainer(callbacks=[cb]) or "
+               "trainer.add_callback(cb), not both)").replace("{n}", str(n))
+    if config.policy.act:
+        raise ConfigError(f"gradguard: {message}")
+    first = callbacks.index(callback)
+    callbacks[:] = [c for i, c in enumerate(callbacks) if c is not callback or i == first]
+    warn(f"gradguard: {message}. Monitor mode keeps the first and removed the others", stacklevel=4)
 
 
 def unsupported(args: Any, optimizer: Any, trainer: Any = None) -> dict[str, str]:

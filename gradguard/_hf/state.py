@@ -10,8 +10,9 @@ from typing import Any
 
 from ..adapter import restore_guard_state, unusable_resume_state
 from ..config import GuardConfig
-from ..errors import StateError
+from ..errors import StateError, warn
 from ..guard import GuardCore
+from ..state import check_resume_step
 from .checkpoints import find_resume_state, write_state_file
 from .loader import TrainerLoader
 from .steps import StepRunner
@@ -63,6 +64,12 @@ def resume(core: GuardCore, runner: StepRunner | None, batches: TrainerLoader | 
         unusable_resume_state(config, exc)  # raises when the policy acts
         found = None
     guard = found.get("guard") if found else None
+    if guard:
+        try:  # a guard state of another checkpoint (checkpoint-10's state with checkpoint-5): not applied
+            check_resume_step(guard, state.global_step, f"the guard state of checkpoint-{state.global_step}")
+        except StateError as exc:
+            unusable_resume_state(config, exc)  # raises when the policy acts; monitor mode: a fresh guard
+            found = guard = None
     if not found or not guard or not restore_guard_state(core, config, guard, legacy_checkpoints=found.get("checkpoints")):
         core.start_at(state.global_step)
         core.emit({"type": "resume", "step": state.global_step, "restored": False})
@@ -86,7 +93,11 @@ def saved(core: GuardCore, args: Any, step: int, export: Callable[[], dict[str, 
     if not getattr(args, "should_save", True):
         return
     if os.path.isdir(ckpt):
-        write_state_file(ckpt, export())  # after checkpoint_saved: the tier lists it
+        try:
+            write_state_file(ckpt, export())  # after checkpoint_saved: the tier lists it
+        except OSError as exc:  # gradguard's own file: never what stops training
+            warn(f"gradguard: could not write the guard state into {ckpt} ({exc}); training continues (a resume "
+                 "from this checkpoint starts with a fresh guard state)", category=RuntimeWarning)
         if diagnosis is not None:
             core.write_diagnosis(diagnosis, ckpt)
 

@@ -52,6 +52,17 @@ class ModelCheckpointFiles:
             self._seen.update(pl_checkpoint_last_saved(cb)[1][1:])
         self._pending.clear()
 
+    @property
+    def roots(self) -> list[str] | None:
+        """The run's checkpoint folders (every ``ModelCheckpoint``'s ``dirpath``, the trainer's
+        ``default_root_dir``): only checkpoints inside them are rolled back to."""
+        trainer = self.trainer
+        if trainer is None:
+            return None
+        out = [getattr(cb, "dirpath", None) for cb in getattr(trainer, "checkpoint_callbacks", []) or []]
+        out.append(getattr(trainer, "default_root_dir", None))
+        return [str(r) for r in out if r]
+
     def saved_paths(self, step: int) -> list[str]:
         return []  # known only after the save (see resolve)
 

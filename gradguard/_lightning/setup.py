@@ -19,7 +19,7 @@ from ..adapter import (
     sharding_problems,
     stand_aside,
 )
-from ..errors import warn
+from ..errors import ConfigError, warn
 from ..guard import GuardCore
 from ..logdir import choose_log_dir
 from ..sinks import Sink, TensorBoardSink, WandbSink
@@ -155,7 +155,8 @@ def start(cb: Any, trainer: Any, pl_module: Any) -> None:
     # on_before_optimizer_step fires (Lightning runs the closure inside optimizer.step()).
     cb._hook_handles = watch_optimizer_step(cb, opt)
     attach(cb, trainer, pl_module)
-    if not apply_pending(cb):
+    one_counter = bool(pl_module.automatic_optimization) and len(trainer.optimizers) == 1  # global_step == guard steps
+    if not apply_pending(cb, trainer.global_step if one_counter else None):
         cb.core.start_at(trainer.global_step)  # resumed without a guard state: follow global_step
     hand_clip_to_lightning(cb, trainer)
 
@@ -237,3 +238,22 @@ def teardown_core(cb: Any) -> None:
     if cb.core is not None:
         cb.core.detach()
     cb.core = None
+
+
+def check_unique_names(cb: Any, callbacks: Any) -> None:
+    """Two guards of one Trainer under one ``name`` (two default ``GradGuardCallback()``s, or one
+    instance passed twice) would share one checkpoint entry: :class:`ConfigError` naming the
+    ``name=`` fix (before Lightning's own "more than one stateful callback" error)."""
+    if not isinstance(callbacks, (list, tuple)):
+        return
+    same = [c for c in callbacks if getattr(c, "_gradguard_callback", False) and getattr(c, "name", None) == cb.name]
+    if len(same) < 2:
+        return
+    if all(c is cb for c in same):
+        raise ConfigError(
+            f"gradguard: the same GradGuardCallback (name={cb.name!r}) is in the Trainer's callbacks {len(same)} times. "
+            "Fix: pass it once")
+    raise ConfigError(
+        f"gradguard: {len(same)} GradGuardCallbacks named {cb.name!r} in one Trainer: their states would share one "
+        "checkpoint entry. Fix: give each its own name, e.g. GradGuardCallback(config_a, name='main') and "
+        "GradGuardCallback(config_b, name='second') (a watcher: the 'monitor' preset is named 'monitor' by default)")

@@ -8,8 +8,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ..adapter import restore_guard_state
+from ..adapter import restore_guard_state, unusable_resume_state
 from ..errors import StateError
+from ..state import check_resume_step
 
 __all__ = ["ADAPTER_STATE_VERSION", "adopt_unclaimed", "adapter_state", "keep_pending", "apply_pending"]
 
@@ -49,14 +50,21 @@ def keep_pending(cb: Any, state_dict: dict[str, Any]) -> None:
         apply_pending(cb)
 
 
-def apply_pending(cb: Any) -> bool:
+def apply_pending(cb: Any, engine_step: int | None = None) -> bool:
     """Apply the state restored from the checkpoint (True when a guard state was applied). One that
     cannot be used: ``StateError`` when acting (the core torn down), a warning and a fresh guard in
-    monitor mode."""
+    monitor mode. ``engine_step``: the Trainer's global step resumed at; a guard state saved at
+    another step (another checkpoint's) cannot be used either."""
     st, cb._pending_state = cb._pending_state, None
     if not st or cb.core is None:
         return False
     try:
+        if engine_step is not None and st.get("core") is not None:
+            try:
+                check_resume_step(st["core"], engine_step, "the checkpoint's GradGuardCallback entry")
+            except StateError as exc:
+                unusable_resume_state(cb.config, exc)  # raises when the policy acts
+                return False
         usable = restore_guard_state(cb.core, cb.config, st.get("core"), legacy_checkpoints=st.get("checkpoints"))
     except StateError:
         cb._teardown_core()
