@@ -72,6 +72,56 @@ def _lr_text(base: list[float], new: list[float]) -> str:
     return ", ".join(f"group {i}: {b:g} -> {n:g}" for i, (b, n) in enumerate(zip(base, new)))
 
 
+def _advise_lr(actions: list[dict[str, Any]], summary: dict[str, Any], groups: list[dict[str, Any]],
+               engine: str | None, settings: dict[str, Any], lines: list[str]) -> None:
+    """The peak LR: the base LR x the multiplier set by the guard's last LR cut (or its revert)."""
+    cuts = [a for a in actions if a.get("name") in ("lower_lr", "revert_lr")]
+    mult = None
+    if cuts:
+        p = cuts[-1].get("params") or {}
+        mult = _num(p.get("to", p.get("lr_multiplier")))
+    final = _num(summary.get("lr_multiplier"))
+    if mult is not None and mult < 1:
+        settings["lr_factor"] = _round_sig(mult)
+        later = f"; the guard raised it to x{final:.3g} by the end" if final is not None and final > mult else ""
+        base = [_num(g.get("lr")) for g in groups]
+        if base and all(b is not None for b in base):
+            settings["lr"] = [_round_sig(b * mult) for b in base]  # type: ignore[operator]
+            shown = _lr_text(base, settings["lr"])  # type: ignore[arg-type]
+            where = f" as {_LR[engine]}" if engine in _LR else ""
+            lines.append(f"peak LR x{settings['lr_factor']:g} ({shown}{where}): the level that restored stability at "
+                         f"step {cuts[-1].get('step')}{later}")
+        else:
+            lines.append(f"peak LR x{settings['lr_factor']:g}: the level that restored stability at step "
+                         f"{cuts[-1].get('step')}{later}")
+
+
+def _advise_optimizer(actions: list[dict[str, Any]], settings: dict[str, Any], lines: list[str]) -> None:
+    """Adam's beta2/eps, per-layer LR factors and the batch size the guard had to set."""
+    adam = [a for a in actions if a.get("name") == "adam" and "unavailable" not in (a.get("params") or {})]
+    if adam:
+        change = next(iter(v for v in (adam[-1].get("params") or {}).values() if isinstance(v, dict)), None)
+        if change:
+            settings["beta2"] = change["beta2"][1]
+            settings["eps"] = change["eps"][1]
+            lines.append(f"Adam beta2={settings['beta2']:g}, eps={settings['eps']:g}: the guard had to set them")
+    layer = {}
+    for a in actions:
+        if a.get("name") == "lower_layer_lr":
+            for k, v in (a.get("params") or {}).items():
+                if _num(v) is not None and k != "rung":
+                    layer[k] = _round_sig(float(v))
+    if layer:
+        settings["layer_lr_factor"] = layer
+        lines.append("a lower LR for " + ", ".join(f"{k} (x{v:g})" for k, v in layer.items())
+                     + ": these layers spiked (e.g. a separate param group for embeddings / lm_head)")
+    shrinks = [a for a in actions if a.get("name") == "shrink_batch" and "batch" in (a.get("params") or {})]
+    if shrinks:
+        settings["batch_size"] = int(shrinks[-1]["params"]["batch"][1])
+        lines.append(f"batch size {settings['batch_size']}: the guard had to shrink it "
+                     f"(from {shrinks[0]['params']['batch'][0]})")
+
+
 def advise(*, actions: list[dict[str, Any]], summary: dict[str, Any], config: dict[str, Any] | None = None,
            optimizer: dict[str, Any] | None = None, engine: str | None = None) -> dict[str, Any]:
     """Concrete settings for the next run, from the actions the guard took (JSONL ``action``
@@ -98,25 +148,7 @@ def advise(*, actions: list[dict[str, Any]], summary: dict[str, Any], config: di
     # it again in stable periods, but that later level was only probed, late in training: on the
     # demo's explosive setting, a rerun at the end level lands 7-10% above the tuned run, one at
     # this level within 1% (benchmarks/advice.py)
-    cuts = [a for a in actions if a.get("name") in ("lower_lr", "revert_lr")]
-    mult = None
-    if cuts:
-        p = cuts[-1].get("params") or {}
-        mult = _num(p.get("to", p.get("lr_multiplier")))
-    final = _num(summary.get("lr_multiplier"))
-    if mult is not None and mult < 1:
-        settings["lr_factor"] = _round_sig(mult)
-        later = f"; the guard raised it to x{final:.3g} by the end" if final is not None and final > mult else ""
-        base = [_num(g.get("lr")) for g in groups]
-        if base and all(b is not None for b in base):
-            settings["lr"] = [_round_sig(b * mult) for b in base]  # type: ignore[operator]
-            shown = _lr_text(base, settings["lr"])  # type: ignore[arg-type]
-            where = f" as {_LR[engine]}" if engine in _LR else ""
-            lines.append(f"peak LR x{settings['lr_factor']:g} ({shown}{where}): the level that restored stability at "
-                         f"step {cuts[-1].get('step')}{later}")
-        else:
-            lines.append(f"peak LR x{settings['lr_factor']:g}: the level that restored stability at step "
-                         f"{cuts[-1].get('step')}{later}")
+    _advise_lr(actions, summary, groups, engine, settings, lines)
     warmup_cfg = int((config.get("detect") or {}).get("warmup_steps") or 20)
     rewarm = int((config.get("lr") or {}).get("rewarm_steps") or 25)
     if first <= 3 * warmup_cfg and (not steps or first <= steps // 4):
@@ -132,28 +164,7 @@ def advise(*, actions: list[dict[str, Any]], summary: dict[str, Any], config: di
         settings["max_grad_norm"] = _round_sig(clip)
         why = "the tightest threshold the guard needed" if tightened else "the threshold the guard clipped at"
         lines.append(f"{_clip_text(settings['max_grad_norm'], engine)}: {why}")
-    adam = [a for a in actions if a.get("name") == "adam" and "unavailable" not in (a.get("params") or {})]
-    if adam:
-        change = next(iter(v for v in (adam[-1].get("params") or {}).values() if isinstance(v, dict)), None)
-        if change:
-            settings["beta2"] = change["beta2"][1]
-            settings["eps"] = change["eps"][1]
-            lines.append(f"Adam beta2={settings['beta2']:g}, eps={settings['eps']:g}: the guard had to set them")
-    layer = {}
-    for a in actions:
-        if a.get("name") == "lower_layer_lr":
-            for k, v in (a.get("params") or {}).items():
-                if _num(v) is not None and k != "rung":
-                    layer[k] = _round_sig(float(v))
-    if layer:
-        settings["layer_lr_factor"] = layer
-        lines.append("a lower LR for " + ", ".join(f"{k} (x{v:g})" for k, v in layer.items())
-                     + ": these layers spiked (e.g. a separate param group for embeddings / lm_head)")
-    shrinks = [a for a in actions if a.get("name") == "shrink_batch" and "batch" in (a.get("params") or {})]
-    if shrinks:
-        settings["batch_size"] = int(shrinks[-1]["params"]["batch"][1])
-        lines.append(f"batch size {settings['batch_size']}: the guard had to shrink it "
-                     f"(from {shrinks[0]['params']['batch'][0]})")
+    _advise_optimizer(actions, settings, lines)
     if "halt" in names:
         lines.append("the run halted: start from these settings and a checkpoint before the first instability "
                      f"(step {first})")

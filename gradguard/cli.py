@@ -7,7 +7,7 @@ import json
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradguard", description="Keeps neural-network training from blowing up.")
     from .names import VERSION
 
@@ -32,6 +32,31 @@ def main(argv: list[str] | None = None) -> int:
     dash.add_argument("--prefix", default="", help="key prefix the engine adds (HF report_to: 'train/')")
     dash.add_argument("--dry-run", action="store_true", help="write the workspace spec as JSON; no server, no login")
     dash.add_argument("-o", "--output", default=None, help="the spec file for --dry-run (default: stdout)")
+    return parser
+
+
+def _dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .dashboards import create_wandb_workspace, wandb_workspace_spec
+
+    if args.dry_run:
+        spec = json.dumps(wandb_workspace_spec(entity=args.entity or "ENTITY", project=args.project or "PROJECT",
+                                               prefix=args.prefix), indent=1)
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as fh:
+                fh.write(spec + "\n")
+            print(args.output)
+        else:
+            print(spec)
+        return 0
+    if not args.entity or not args.project:
+        parser.error("dashboard wandb: --entity and --project are needed to create the workspace "
+                     "(or --dry-run to write its spec)")
+    print(create_wandb_workspace(entity=args.entity, project=args.project, prefix=args.prefix))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "report":
         from .errors import ConfigError
@@ -43,23 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(2, f"{exc}\n")
         return 0
     if args.command == "dashboard":
-        from .dashboards import create_wandb_workspace, wandb_workspace_spec
-
-        if args.dry_run:
-            spec = json.dumps(wandb_workspace_spec(entity=args.entity or "ENTITY", project=args.project or "PROJECT",
-                                                   prefix=args.prefix), indent=1)
-            if args.output:
-                with open(args.output, "w", encoding="utf-8") as fh:
-                    fh.write(spec + "\n")
-                print(args.output)
-            else:
-                print(spec)
-            return 0
-        if not args.entity or not args.project:
-            parser.error("dashboard wandb: --entity and --project are needed to create the workspace "
-                         "(or --dry-run to write its spec)")
-        print(create_wandb_workspace(entity=args.entity, project=args.project, prefix=args.prefix))
-        return 0
+        return _dashboard(args, parser)
     if args.command == "demo":
         from .demo import format_table
         from .demo import main as run_demo

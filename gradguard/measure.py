@@ -538,20 +538,7 @@ class GradMeasurer:
                 engine_vals = self._engine_total_of(engine, grads, per_tensor, stacks or [])
         else:
             buf[:n_layers].zero_()
-        for i, e in enumerate(extra_list):
-            slot = buf[n_layers + i]
-            if isinstance(e, torch.Tensor):
-                slot.copy_(e.detach().reshape(()), non_blocking=True)
-            else:
-                slot.fill_(float("nan") if e is None else float(e))
-        if engine is not None:
-            tail = buf[n_layers + n_extra:]
-            if engine_vals is None:
-                tail.fill_(float("nan"))
-            else:
-                tail[0].copy_(engine_vals[0])
-                tail[1].copy_(engine_vals[1])
-                self._engine_total, self._engine = engine_vals[0], engine
+        self._pack_tail(buf, n_layers, extra_list, engine, engine_vals)
         packed = reduce(buf) if reduce is not None else buf
         host = self._read(packed)  # the one host-device sync of the step
         self.transfers += 1
@@ -564,6 +551,25 @@ class GradMeasurer:
         if engine_vals is not None:
             meas.engine_norm, meas.engine_coef = host[n_layers + n_extra], host[n_layers + n_extra + 1]
         return meas
+
+    def _pack_tail(self, buf: torch.Tensor, n_layers: int, extras: list[Any], engine: EngineClip | None,
+                   engine_vals: Any) -> None:
+        """The extras (loss, scale, flags) and the engine's norm and coefficient after the layers."""
+        for i, e in enumerate(extras):
+            slot = buf[n_layers + i]
+            if isinstance(e, torch.Tensor):
+                slot.copy_(e.detach().reshape(()), non_blocking=True)
+            else:
+                slot.fill_(float("nan") if e is None else float(e))
+        if engine is None:
+            return
+        tail = buf[n_layers + len(extras):]
+        if engine_vals is None:
+            tail.fill_(float("nan"))
+        else:
+            tail[0].copy_(engine_vals[0])
+            tail[1].copy_(engine_vals[1])
+            self._engine_total, self._engine = engine_vals[0], engine
 
     def _read(self, packed: torch.Tensor) -> list[float]:
         host = self._host

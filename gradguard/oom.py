@@ -166,26 +166,10 @@ class OomRecovery:
         identical action (``ranks``: the ranks that ran out of memory). Returns ``(held,
         skip)``: per parameter, whether a gradient is held on any rank, and whether the step is
         skipped on every rank."""
-        dist = torch.distributed
         world = int(collective.world_size)
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        pieces, failed_ranks, skipped_ranks, sizes, has_grad = _vote(collective, world, samples=samples, parts=parts,
+                                                                     failed=failed, skipped=skipped, params=params or [])
         params = params or []
-        device = params[0].device if params else torch.device("cpu")
-        k = 4
-        packed = torch.zeros(k * world + len(params), dtype=torch.float64, device=device)
-        packed[k * rank] = float(parts if parts > 1 else 0)
-        packed[k * rank + 1] = 1.0 if failed else 0.0
-        packed[k * rank + 2] = 1.0 if skipped else 0.0
-        packed[k * rank + 3] = float(samples)
-        if params:
-            packed[k * world:] = torch.tensor([p.grad is not None for p in params], dtype=torch.float64,
-                                              device=device)
-        got = (collective.mean(packed) * world).tolist()  # the one host read of the vote
-        pieces = [round(got[k * r]) for r in range(world)]
-        failed_ranks = [r for r in range(world) if got[k * r + 1] > 0.5]
-        skipped_ranks = [r for r in range(world) if got[k * r + 2] > 0.5]
-        sizes = [round(got[k * r + 3]) for r in range(world)]
-        has_grad = [v > 0.5 / world for v in got[k * world:]]
         if failed_ranks:
             drop_grads(self.params())
             raise torch.OutOfMemoryError(
@@ -222,6 +206,26 @@ class OomRecovery:
 
     def _record(self, name: str, reason: str, params: dict[str, Any]) -> None:
         self.core.record(Action(name, self.core.step_count + 1, reason, params))
+
+
+def _vote(collective: Any, world: int, *, samples: int, parts: int, failed: bool, skipped: bool,
+          params: list[torch.nn.Parameter]) -> tuple[list[int], list[int], list[int], list[int], list[bool]]:
+    """One reduction of every rank's outcome: (pieces, failed ranks, skipped ranks, sizes, has_grad)."""
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    device = params[0].device if params else torch.device("cpu")
+    k = 4
+    packed = torch.zeros(k * world + len(params), dtype=torch.float64, device=device)
+    packed[k * rank] = float(parts if parts > 1 else 0)
+    packed[k * rank + 1] = 1.0 if failed else 0.0
+    packed[k * rank + 2] = 1.0 if skipped else 0.0
+    packed[k * rank + 3] = float(samples)
+    if params:
+        packed[k * world:] = torch.tensor([p.grad is not None for p in params], dtype=torch.float64, device=device)
+    got = (collective.mean(packed) * world).tolist()  # the one host read of the vote
+    return ([round(got[k * r]) for r in range(world)], [r for r in range(world) if got[k * r + 1] > 0.5],
+            [r for r in range(world) if got[k * r + 2] > 0.5], [round(got[k * r + 3]) for r in range(world)],
+            [v > 0.5 / world for v in got[k * world:]])
 
 
 def average_gradients(collective: Any, params: list[torch.nn.Parameter], has_grad: list[bool],

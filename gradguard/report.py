@@ -160,6 +160,30 @@ def pre_instability_level(run_records: Iterable[dict[str, Any]]) -> float | None
     return sorted(before)[len(before) // 2]
 
 
+def _what_the_guard_did(run: _Run) -> list[str]:
+    """One phrase per corrective action, in order."""
+    did: list[str] = []
+    for a in run.actions:
+        if a.get("name") not in UNSTABLE_ACTIONS:
+            continue
+        p = a.get("params") or {}
+        if a["name"] == "rollback" and "to_step" in p:
+            did.append(f"rolled back to step {p['to_step']} at step {a['step']}")
+        elif a["name"] == "lower_lr" and "to" in p:
+            did.append(f"LR x{_num(p['to']):.3g} at step {a['step']}")
+        elif a["name"] == "tighten_clip" and "to" in p:
+            did.append(f"clip tightened to {_num(p['to']):.3g} at step {a['step']}")
+        elif a["name"] == "adam" and "unavailable" not in p:
+            did.append(f"Adam beta2/eps adjusted at step {a['step']}")
+        elif a["name"] == "lower_layer_lr":
+            did.append("layer LR lowered for " + ", ".join(k for k in p if k != "rung") + f" at step {a['step']}")
+        elif a["name"] == "shrink_batch" and "batch" in p:
+            did.append(f"batch shrunk to {p['batch'][1]} at step {a['step']}")
+        elif a["name"] != "halt":
+            did.append(f"{a['name']} at step {a['step']}")
+    return did
+
+
 def diagnose(records: Iterable[dict[str, Any]]) -> list[str]:
     """A few sentences on what happened: where it started, what the guard did, whether it recovered.
 
@@ -189,25 +213,7 @@ def diagnose(records: Iterable[dict[str, Any]]) -> list[str]:
                    f"grad norm moved most: {', '.join(layers[:3])}.")
     else:
         out.append(f"First instability at step {step0}: {what} ({first.get('message', '')}).")
-    did = []
-    for a in run.actions:
-        if a.get("name") not in UNSTABLE_ACTIONS:
-            continue
-        p = a.get("params") or {}
-        if a["name"] == "rollback" and "to_step" in p:
-            did.append(f"rolled back to step {p['to_step']} at step {a['step']}")
-        elif a["name"] == "lower_lr" and "to" in p:
-            did.append(f"LR x{_num(p['to']):.3g} at step {a['step']}")
-        elif a["name"] == "tighten_clip" and "to" in p:
-            did.append(f"clip tightened to {_num(p['to']):.3g} at step {a['step']}")
-        elif a["name"] == "adam" and "unavailable" not in p:
-            did.append(f"Adam beta2/eps adjusted at step {a['step']}")
-        elif a["name"] == "lower_layer_lr":
-            did.append("layer LR lowered for " + ", ".join(k for k in p if k != "rung") + f" at step {a['step']}")
-        elif a["name"] == "shrink_batch" and "batch" in p:
-            did.append(f"batch shrunk to {p['batch'][1]} at step {a['step']}")
-        elif a["name"] != "halt":
-            did.append(f"{a['name']} at step {a['step']}")
+    did = _what_the_guard_did(run)
     if did:
         out.append("The guard " + "; ".join(did) + ".")
     if run.skips:
