@@ -125,6 +125,26 @@ class PostLN(nn.Module):
         return logits if y is None else F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
 
 
+class HFGPT2(nn.Module):
+    """transformers' GPT2LMHeadModel built from a config (3 blocks): the model of the issue's case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=WIDTH, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        self.gpt = GPT2LMHeadModel(cfg)
+        self.tok_emb = self.gpt.transformer.wte
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.gpt(input_ids=x).logits
+        return logits if y is None else F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
+
+
+#: selectable with --models, not in the default draw
+EXTRA_FAMILIES = {"gpt2hf": lambda: HFGPT2()}
+
 FAMILIES = {
     "gpt": lambda: TinyGPT(n_layer=2, width=WIDTH, n_head=4, seq_len=SEQ),
     "llama": lambda: TinyLlama(),
@@ -187,13 +207,20 @@ def draw(master: int, models: list[str], steps: int) -> list[Run]:
     return runs
 
 
+def issue_case(model: str, steps: int = 300) -> list[Run]:
+    """The reported case (``--scenarios issue26``): lr 1e-2, 20 warm-up steps then cosine, a window of
+    12 garbage batches at the middle of the run."""
+    return [Run("issue26", model, 0, steps, 1e-2, onset=steps // 2, fault="garbage", fault_len=12,
+                warmup_frac=20 / steps)]
+
+
 # -- one run ---------------------------------------------------------------------------------------
 def train(run: Run, arm_name: str) -> dict[str, Any]:
     torch.manual_seed(run.seed)
     data = get_data(SEQ)
     gen = torch.Generator().manual_seed(run.seed)
     noise = torch.Generator().manual_seed(50_000 + run.seed)
-    model = FAMILIES[run.model]()
+    model = {**FAMILIES, **EXTRA_FAMILIES}[run.model]()
     if run.pre_steps:
         pre = torch.optim.AdamW(model.parameters(), lr=TUNED_LR, weight_decay=0.01)
         pg = torch.Generator().manual_seed(20_000 + run.seed)
@@ -293,7 +320,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     runs = draw(args.master_seed, args.models.split(","), args.steps)
-    if args.scenarios:
+    if args.scenarios == "issue26":
+        runs = [r for m in args.models.split(",") for r in issue_case(m, args.steps)]
+    elif args.scenarios:
         runs = [r for r in runs if r.scenario in args.scenarios.split(",")]
     print(f"master seed {args.master_seed}: {len(runs)} runs", flush=True)
     rows, t0 = [], time.time()
