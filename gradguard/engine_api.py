@@ -41,6 +41,10 @@ class EngineAPI:
     skipped_steps: int
     _last: Any
 
+    def open_event_log(self, path: str) -> Any:
+        """Open the run's event log at ``path`` after attach (see :meth:`Reporter.open_event_log`)."""
+        return self.reporter.open_event_log(path)
+
     def emit(self, event: dict[str, Any]) -> None:  # provided by GuardCore
         raise NotImplementedError
 

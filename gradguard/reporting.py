@@ -111,9 +111,23 @@ class Reporter:
 
     def start(self, layers: list[str], optimizer: dict[str, Any]) -> None:
         self.optimizer_at_start = optimizer
-        self.emit({"type": "start", "step": 0, "schema_version": EVENT_SCHEMA_VERSION,
-                   "versions": package_versions(), "layers": layers, "optimizer": optimizer,
-                   "config": self.config.to_dict()})
+        self.start_event = {"type": "start", "step": 0, "schema_version": EVENT_SCHEMA_VERSION,
+                            "versions": package_versions(), "layers": layers, "optimizer": optimizer,
+                            "config": self.config.to_dict()}
+        self.emit(dict(self.start_event))
+
+    def open_event_log(self, path: str) -> JSONLSink | None:
+        """An event log opened after the start (an engine's run folder known only then: the W&B
+        run's files): it begins with the run's ``start`` record and becomes the run's log (the
+        summary names it). None when it cannot be opened (warned by the sink)."""
+        sink = JSONLSink(path)
+        if sink.error is not None:
+            return None
+        sink.on_error = self.emit
+        self._call(sink, "log_event", {**self.start_event, "time": time.time()})
+        self.sinks.append(sink)
+        self.log_path = path
+        return sink
 
     def log_row(self, step: int, row: dict[str, float], *, due: bool, events: bool,
                 engine_logs: bool | None) -> None:

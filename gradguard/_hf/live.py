@@ -8,20 +8,17 @@ prefix: never a second run, never the same key twice (see ``GuardCore.after_step
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 from .._compat import hf_callback_list
 from ..logdir import is_url
 from ..sinks import (
-    EVENT_SCHEMA_VERSION,
     JSONLSink,
     M,
     Sink,
     TensorBoardSink,
     WandbSink,
     is_headline,
-    package_versions,
 )
 from .setup import log_entries
 
@@ -94,17 +91,8 @@ def event_log_with_wandb(run: Any, callbacks: list[Any], sinks: list[Sink]) -> l
     user_cfg = getattr(cb, "config", None)
     if cb is None or not folder or not getattr(getattr(user_cfg, "output", None), "jsonl", True):
         return []  # the user turned the event log off: none here either
-    core = cb.core
-    path = os.path.join(folder, "gradguard", "events.jsonl")
-    sink = JSONLSink(path)
-    if sink.error is not None:
-        return []
-    sink.log_event({"type": "start", "step": 0, "schema_version": EVENT_SCHEMA_VERSION,
-                    "versions": package_versions(), "layers": list(core.layers.layer_names),
-                    "optimizer": getattr(core, "_optimizer_at_start", None), "config": core.config.to_dict(),
-                    "time": time.time()})
-    core.log_path = path  # the summary (and its console line) names the log
-    return [sink]
+    cb.core.open_event_log(os.path.join(folder, "gradguard", "events.jsonl"))  # the summary names it
+    return []
 
 
 def is_logging_step(args: Any, state: Any, step: int) -> bool:
@@ -167,14 +155,16 @@ def add_to_logs(core: Any, state: Any, logs: dict[str, Any], window: list[float]
     Trainer prints and hands to every ``report_to`` integration) and its ``log_history`` entry; the
     per-layer ones too (every integration receives them; :func:`layer_keys_out_of_print` keeps them
     off the printed line). ``window``: the guard losses of the logging window."""
-    row = core.pending_row if core.pending_row is not None else core.metrics(core.last_report)
+    last = core.last_report
+    this_step = core.pending_row is not None or (last is not None and last.step == state.global_step)
+    row = core.pending_row if core.pending_row is not None else core.metrics(last)
     core.pending_row = None
     m = log_entries(row, window, True, M.NONFINITE_LOSS_STEPS)
     # one meaning per key: gradguard/loss is the logged step's loss, as in the JSONL log and every
     # other sink; the window's mean (what HF's own "loss" averages) has its own key
     if M.LOSS in m:
         m[M.LOSS_WINDOW_MEAN] = m.pop(M.LOSS)
-    if M.LOSS in row:
+    if M.LOSS in row and this_step:  # a step the engine discarded (no guard step) has no loss of its own
         m[M.LOSS] = row[M.LOSS]
     head = {k: v for k, v in m.items() if is_headline(k)}
     logs.update(head)  # what the Trainer prints and hands to every report_to integration
