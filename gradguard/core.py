@@ -123,7 +123,7 @@ class GuardCore(EngineAPI):
                  layer_fn: Callable[[str], str] | None = None, scheduler: Any = None,
                  scaler: Any = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  collective: Collective | None = None, shard_root: nn.Module | None = None,
-                 stepping: SteppingEngine | None = None) -> None:
+                 stepping: SteppingEngine | None = None, engine: str = "plain") -> None:
         config = GuardConfig.coerce(config)
         if not isinstance(model, nn.Module):
             raise UnsupportedSetupError(f"gradguard: model={type(model).__name__} is not a torch.nn.Module. "
@@ -146,6 +146,9 @@ class GuardCore(EngineAPI):
         self.lr = LRMultiplier(config.lr, self.optimizer, self.layers, hooks=config.policy.act and stepping is None)
         self.adam = AdamTuner(config.adam, self.optimizer)
         self.reporter = Reporter(config, sinks, out_dir)
+        #: the engine's name ("plain", "hf", "lightning", "deepspeed"): the advice names its settings
+        self.engine = engine
+        self._untaught_applied = 0  # applied steps that taught nothing since the last that did
         self.rollback = Rollback(config, model, self.optimizer, scheduler=scheduler, scaler=scaler,
                                  collective=self.collective, detectors=self.detectors, lr=self.lr, clip=self.clip,
                                  emit=self.reporter.emit,
@@ -155,6 +158,7 @@ class GuardCore(EngineAPI):
                            early=self._early, failed_at=self._failed_at, culprits=self._culprits).register(self.actuators)
         if self.rollback.snapshots is not None:
             self.actuators.register("rollback", self.rollback)
+        self.rollback.weights_clean = self._weights_clean
         self.batches: BatchResizer | None = None
         #: BatchNorm-like statistics moved by a step's forward, put back when the step is skipped
         self.running_stats = RunningStats(model) if config.policy.act else None
@@ -171,7 +175,7 @@ class GuardCore(EngineAPI):
         self._failed_mult = 1.0  # LR multiplier level at which the current step's instability happened
         self._early_now = False
         self._last: StepReport | None = None
-        self.reporter.start(list(self.layers.layer_names), optimizer_info(self.optimizer))
+        self.reporter.start(list(self.layers.layer_names), optimizer_info(self.optimizer), engine)
 
     def _measurement(self, layer_fn: Callable[[str], str] | None) -> tuple[LayerMap, GradMeasurer]:
         """The layer map and the measurer (FSDP: local pieces, summed by the step's one reduction).
@@ -315,6 +319,9 @@ class GuardCore(EngineAPI):
         gets the ordinary one."""
         return self._early_now
 
+    def _weights_clean(self) -> bool:
+        return self._untaught_applied == 0
+
     def _failed_at(self) -> float:
         return self._failed_mult
 
@@ -326,10 +333,13 @@ class GuardCore(EngineAPI):
         if any(a.name == "rollback" for a in decision.actions):
             self.rollback.remember_escalation()
             self._rollback_target(decision, report)
+            for a in decision.actions:
+                if a.name == "rollback":
+                    self.rollback.hold(a)
         elif decision.data_verdict:
-            undone = self.rollback.undo_escalation(report.step)
-            if undone is not None:
-                report.actions.append(self.record(undone))
+            for undone in (self.rollback.undo_escalation(report.step), self.rollback.return_to_held(report.step)):
+                if undone is not None:
+                    report.actions.append(self.record(undone))
         for a in decision.actions:
             follow = self.execute(a)
             report.actions.extend([a, *follow])
@@ -411,7 +421,9 @@ class GuardCore(EngineAPI):
         logs this step: the engine-bound sinks then get a row only at an event step the engine does
         not log, and on a logged step the full row waits in :attr:`pending_row` for the adapter."""
         self.step_count = report.step
-        self.detectors.settle(teaches(report))  # before a snapshot stores the detectors
+        taught = teaches(report)
+        self.detectors.settle(taught)  # before a snapshot stores the detectors
+        self._untaught_applied = 0 if taught else self._untaught_applied + int(report.applied)
         if self.running_stats is not None:  # a skipped step's forward moved them; a rollback restored them
             self.running_stats.settle(report.applied or report.rolled_back)
         if report.applied:
@@ -481,7 +493,8 @@ class GuardCore(EngineAPI):
         groups = self.optimizer.param_groups
         final_lr = float(groups[0]["lr"]) * self.lr.current() if groups and "lr" in groups[0] else None
         return {"steps": self.step_count, "applied": self.applied_steps, "skipped": self.skipped_steps,
-                "lr_multiplier": self.lr.global_mult, "final_lr": final_lr, "max_grad_norm": self.clip.max_norm}
+                "lr_multiplier": self.lr.global_mult, "lr_multiplier_now": self.lr.current(), "final_lr": final_lr,
+                "max_grad_norm": self.clip.max_norm, "engine": self.engine}
 
     def summary(self) -> dict[str, Any]:
         return self.reporter.summary(self.run_state())

@@ -343,7 +343,7 @@ class DeepSpeedGuard:
         self.core = GuardCore(engine.module, optimizer if optimizer is not None else engine.optimizer,
                               config=config, sinks=sinks, out_dir=out_dir, layer_fn=layer_fn,
                               scheduler=scheduler if scheduler is not None else engine.lr_scheduler,
-                              stepping=self.handle)
+                              stepping=self.handle, engine="deepspeed")
         self.config = self.core.config
         self.batches = batches
         self.halted: dict[str, Any] | None = None

@@ -58,6 +58,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         raise_on_halt: overrides ``config.output.halt_raises`` (None: the config decides): after a
             halt has stopped training and saved a checkpoint, raise :class:`GradGuardHalt` from
             ``trainer.train()`` (False: only stop; see ``.diagnosis``).
+        print_metrics: False keeps every ``gradguard/...`` key off the Trainer's printed log line; they
+            still reach every ``report_to`` integration (W&B, TensorBoard) and ``log_history``.
         layer_metrics: send per-layer values (``gradguard/grad_norm/<layer>``, ``update_ratio/<layer>``,
             ``param_norm/<layer>``) on logging steps to the ``report_to`` W&B run / TensorBoard writer
             (at the same ``train/global_step``; they stay out of the printed logs).
@@ -76,7 +78,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
 
     def __init__(self, config: GuardConfig | dict[str, Any] | None = None, *, sinks: list[Sink] | None = None,
                  out_dir: str | None = None, raise_on_halt: bool | None = None, layer_metrics: bool = True,
-                 _from_checkpoint: bool = False) -> None:
+                 print_metrics: bool = True, _from_checkpoint: bool = False) -> None:
         if _from_checkpoint and getattr(self, "_built", False):
             # the user's instance, handed back by __new__ to the Trainer's callback restore: keep it as
             # it is (the user's config wins); the Trainer re-adds it at the end of its callback list
@@ -88,6 +90,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self.out_dir = out_dir
         self.raise_on_halt = raise_on_halt
         self.layer_metrics = layer_metrics
+        self.print_metrics = print_metrics
         self.core: GuardCore | None = None
         self.reports: list[StepReport] = []  # this train() call's step reports (the last 1000)
         self.diagnosis: dict[str, Any] | None = None

@@ -22,6 +22,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from ._io import atomic_write
 from .advice import UNSTABLE_ACTIONS, advise_from_records
 from .errors import ConfigError
 from .measure import metric_key
@@ -415,8 +416,7 @@ def write_report(run_dir: str, out: str | None = None, *, plotlyjs: str = "direc
     os.makedirs(folder, exist_ok=True)
     if plotlyjs == "directory":
         _write_plotlyjs(folder)
-    with open(out, "w", encoding="utf-8") as fh:
-        fh.write(text)
+    atomic_write(out, text, fsync=False)  # a random temp name, then a rename: never through a planted link
     return out
 
 
@@ -429,8 +429,5 @@ def _write_plotlyjs(folder: str) -> str:
     js = get_plotlyjs()
     if os.path.isfile(path) and os.path.getsize(path) == len(js.encode("utf-8")):
         return path
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(js)
-    os.replace(tmp, path)
+    atomic_write(path, js, fsync=False)
     return path

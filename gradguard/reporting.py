@@ -109,9 +109,9 @@ class Reporter:
         for s in self.sinks:
             self._call(s, "log_event", event)
 
-    def start(self, layers: list[str], optimizer: dict[str, Any]) -> None:
+    def start(self, layers: list[str], optimizer: dict[str, Any], engine: str = "plain") -> None:
         self.optimizer_at_start = optimizer
-        self.start_event = {"type": "start", "step": 0, "schema_version": EVENT_SCHEMA_VERSION,
+        self.start_event = {"type": "start", "step": 0, "schema_version": EVENT_SCHEMA_VERSION, "engine": engine,
                             "versions": package_versions(), "layers": layers, "optimizer": optimizer,
                             "config": self.config.to_dict()}
         self.emit(dict(self.start_event))
@@ -289,10 +289,11 @@ class Reporter:
     def summary(self, state: dict[str, Any]) -> dict[str, Any]:
         out = {"steps": state["steps"], "applied": state["applied"], "skipped": state["skipped"],
                "findings": self.n_findings, "actions": dict(self.action_counts),
-               "lr_multiplier": state["lr_multiplier"], "final_lr": state["final_lr"],
-               "max_grad_norm": state["max_grad_norm"], "log": self.log_path, "report": self.report_path}
+               "lr_multiplier": state["lr_multiplier"], "lr_multiplier_now": state["lr_multiplier_now"],
+               "final_lr": state["final_lr"], "max_grad_norm": state["max_grad_norm"], "log": self.log_path,
+               "report": self.report_path}
         out["advice"] = advise(actions=list(self.action_log), summary=out, config=self.config.to_dict(),
-                               optimizer=self.optimizer_at_start)
+                               optimizer=self.optimizer_at_start, engine=state.get("engine"))
         return out
 
     @property

@@ -60,6 +60,11 @@ class Rollback:
         #: no update applied since the weights were restored: a spike now is the data's fault
         self.verified = False
         self._undo: tuple[dict[str, Any], float] | None = None  # LR/clip before the last rollback rung
+        #: the state a rollback left (when nothing bad had been applied to it), returned to if the
+        #: restored weights show the data was to blame
+        self._held: Any = None
+        #: core hook: no update that taught nothing was applied since the last step that taught
+        self.weights_clean: Callable[[], bool] | None = None
 
     @property
     def available(self) -> bool:
@@ -84,6 +89,32 @@ class Rollback:
             self.snapshots.observe(step, ring_healthy)
         self.checkpoint_tier.observe(step, ckpt_healthy, ckpt_bad)
 
+    def hold(self, a: Action) -> None:
+        """Before a rollback for a spike: put the current state aside when every update in it
+        taught the detectors (the spikes came on weights nothing bad was applied to). Not for a
+        norm takeover (``not_after``: its weights were already drifting)."""
+        self._held = None
+        clean = self.weights_clean is not None and self.weights_clean()
+        if self.snapshots is not None and clean and "not_after" not in a.params:
+            self._held = self.snapshots.capture(a.step - 1)
+
+    def return_to_held(self, step: int) -> Action | None:
+        """A spike on restored, verified weights: the data was bad, so the weights the rollback left
+        were not to blame either; training goes back to them (steps not lost), still verified."""
+        held, self._held = self._held, None
+        if held is None or self.snapshots is None:
+            return None
+        try:
+            self.snapshots.restore(held, restore_schedule=True, state=held.state)
+        except SnapshotUnavailable:
+            return None
+        self.lr.reapply_after_restore()
+        self.lr.warm_left = 0  # back at the weights that ran at this LR: no re-warm-up
+        self.detectors.restart()
+        self.verified = True
+        return Action("undo_rollback", step, "spike on restored, verified weights: the data was bad, so the "
+                      f"weights of step {held.step} were not to blame", {"to_step": held.step})
+
     def applied(self, step: int, applied_steps: int) -> None:
         """An update was applied: the weights are no longer verified; a snapshot every
         ``recovery.snapshot_interval`` applied steps, and every ``recovery.confirm_steps`` before the
@@ -91,6 +122,7 @@ class Rollback:
         detectors have a baseline (a spike on them can be blamed on the data), not to the initial ones."""
         self.verified = False
         self._undo = None
+        self._held = None
         rc = self.config.recovery
         if self.snapshots is None:
             return

@@ -479,6 +479,27 @@ class SnapshotRing:
         self.extra[name] = (get_state, set_state)
 
     # -- taking ------------------------------------------------------------------------------
+    def _with_rest(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """The model/optimizer ``tensors`` with the RNG, scheduler, scaler and registered extras."""
+        state: dict[str, Any] = {**tensors, "rng": _rng_state(), "fingerprint": self.fingerprint}
+        if self.scheduler is not None:
+            state["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
+        if self.scaler is not None:
+            state["scaler"] = copy.deepcopy(self.scaler.state_dict())
+        for name, (get, _) in self.extra.items():
+            state[name] = copy.deepcopy(get())
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return state
+
+    def capture(self, step: int) -> Snapshot:
+        """The training state now, in host memory, outside the ring (not confirmed, never on disk):
+        what a rollback puts aside in case the restored weights show the data was to blame."""
+        tensors = {"model": copy_state(model_state(self.model), "cpu"),
+                   "optimizer": copy_state(local_state(self.optimizer.state_dict()), "cpu")}
+        state = self._with_rest(tensors)
+        return Snapshot(step=step, state=state, nbytes=state_nbytes(state), seconds=0.0, tested=True)
+
     def take(self, step: int) -> Snapshot:
         t0 = time.perf_counter()
         spare, self._spare = self._spare, None
@@ -491,15 +512,7 @@ class SnapshotRing:
         else:
             tensors = {"model": copy_state(model_sd, "cpu", pin=True),
                        "optimizer": copy_state(opt_sd, "cpu", pin=True)}
-        state: dict[str, Any] = {**tensors, "rng": _rng_state(), "fingerprint": self.fingerprint}
-        if self.scheduler is not None:
-            state["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
-        if self.scaler is not None:
-            state["scaler"] = copy.deepcopy(self.scaler.state_dict())
-        for name, (get, _) in self.extra.items():
-            state[name] = copy.deepcopy(get())
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        state = self._with_rest(tensors)
         nbytes = state_nbytes(state)
         meta: dict[str, Any] = {"structure": optimizer_structure(self.optimizer)}
         if to_disk:

@@ -136,6 +136,7 @@ def test_a_clean_step_judged_bad_does_not_enter_the_loss_scale_window(tmp_path):
 def test_a_step_blamed_on_the_data_teaches_nothing_and_windows_restart_after_a_rollback(tmp_path):
     core = make_core(tmp_path, recovery={"snapshot_interval": 1, "confirm_steps": 2})
     warm(core, steps=30)
+    learned_before = (copy.deepcopy(core.detectors.loss.base.state_dict()), copy.deepcopy(core.detectors.grad.state_dict()))
     # a spike, then another soon after: an instability -> the ladder's rollback rung (or earlier rungs)
     rolled = None
     for i in range(31, 60):
@@ -147,11 +148,17 @@ def test_a_step_blamed_on_the_data_teaches_nothing_and_windows_restart_after_a_r
     assert not teaches(rolled)
     det = core.detectors
     assert not det.takeover.window and det.loss.held is None and not det.scale.window
-    # restored, verified weights meet bad data again: blamed on the data, nothing learned
-    before = copy.deepcopy({**det.state_dict(), "loss": learned(det.loss)})
+    # restored, verified weights meet bad data again: blamed on the data, nothing learned; and the
+    # weights the rollback left (nothing bad had been applied to them) are taken back
     rep = run(core, sig(rolled.step + 1, loss=500.0, ln_share=0.5))
     assert rep.blamed_on_data and not teaches(rep)
-    assert {**det.state_dict(), "loss": learned(det.loss)} == before
+    names = [a.name for a in rep.actions]
+    assert "undo_rollback" in names and "revert_lr" in names
+    undo = next(a for a in rep.actions if a.name == "undo_rollback")
+    assert undo.params["to_step"] == rolled.step - 1
+    # the detectors are those of the weights taken back: what the 30 healthy steps taught, no more
+    assert (det.loss.base.state_dict(), det.grad.state_dict()) == learned_before
+    assert core.lr.global_mult == 1.0 and core.lr.warm_left == 0
     core.close()
 
 
@@ -239,3 +246,23 @@ def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(tmp_path):
     assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
     assert int(bn.num_batches_tracked) == before[2]
     guard.close()
+
+
+def test_the_html_report_is_not_written_through_a_planted_link(tmp_path):
+    """``gradguard report`` writes report.html (and plotly.min.js) to a new file, then renames it:
+    a link planted at the report's name is replaced, its target is never written."""
+    pytest.importorskip("plotly")
+    from gradguard.report import write_report
+
+    torch.manual_seed(0)
+    model = NormNet()
+    cfg = gg.GuardConfig.preset("default", output={"dir": str(tmp_path), "console": False, "metrics_interval": 1})
+    guard = gg.Guard(model, torch.optim.SGD(model.parameters(), lr=0.01), config=cfg)
+    _train_guard(guard, model, 3)
+    guard.close()
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    out = tmp_path / "gradguard" / "report.html"
+    out.symlink_to(target)
+    write_report(str(tmp_path), str(out))
+    assert target.read_text() == "keep me" and not out.is_symlink() and "plotly" in out.read_text()

@@ -49,7 +49,7 @@ class DeepSpeedRun:
         else:
             config = build_config(config, engine)
         self.core = GuardCore(engine.module, engine.optimizer, config=config, sinks=sinks, out_dir=out_dir,
-                              scheduler=lr_scheduler, stepping=self.handle)
+                              scheduler=lr_scheduler, stepping=self.handle, engine="hf")
         self.handle.attach(self.core)
         self._hook = engine.module.register_forward_hook(self._forward_hook, with_kwargs=True)
         self.report: StepReport | None = None

@@ -71,7 +71,8 @@ def build(cfg: GuardConfig, replay_clip: float | None, args: Any, model: Any, op
     folders (rollback), the train dataloader (batch size), and the step decisions."""
     scaler = getattr(optimizer, "scaler", None)
     opt = unwrap_optimizer(optimizer)
-    core = GuardCore(model, opt, config=cfg, sinks=sinks, out_dir=out_dir, scheduler=lr_scheduler, scaler=scaler)
+    core = GuardCore(model, opt, config=cfg, sinks=sinks, out_dir=out_dir, scheduler=lr_scheduler, scaler=scaler,
+                     engine="hf")
     check_features("hf")
     runner = StepRunner(core, args, list(model.parameters()))
     decision = StepDecision(core, runner, scaler=scaler, replay_clip=replay_clip, held=SchedulerHold([lr_scheduler]))

@@ -191,7 +191,7 @@ def _build_core(cb: Any, trainer: Any, pl_module: Any, opt: Any, log_dir: Any) -
     cb.scaler = getattr(trainer.precision_plugin, "scaler", None)
     sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
     core = GuardCore(pl_module, opt, config=cfg, sinks=sinks, out_dir=out_dir, layer_fn=cb.layer_fn,
-                     scheduler=sched, scaler=cb.scaler, shard_root=trainer.strategy.model)
+                     scheduler=sched, scaler=cb.scaler, shard_root=trainer.strategy.model, engine="lightning")
     core.attach_data_skip(lambda action: skip_data(cb, action))
     core.set_engine_step(lambda _step: pl_log_step(trainer))  # the x of the user's self.log rows
     core.ratio_due = lambda _step: engine_logs(cb, trainer) is True
