@@ -10,6 +10,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def _examples_own_environ():
+    """The examples run in this process and set variables for their run (TENSORBOARD_LOGGING_DIR,
+    WANDB_*), as a script may: they are put back after each test so no later test inherits them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def load(name: str):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
