@@ -66,6 +66,7 @@ from .config import GuardConfig
 from .core import GuardCore, finish_halt
 from .detect import Signals as StepSignals
 from .errors import UnsupportedSetupError, is_rank0, warn_once
+from .guard import LoopGuard
 
 __all__ = ["DeepSpeedEngineHandle", "DeepSpeedGuard", "problems", "AVAILABLE", "UNAVAILABLE", "is_deepspeed_engine"]
 
@@ -314,7 +315,7 @@ def build_config(config: GuardConfig, engine: Any) -> GuardConfig:
     return config
 
 
-class DeepSpeedGuard:
+class DeepSpeedGuard(LoopGuard):
     """gradguard over a ``DeepSpeedEngine`` (ZeRO 1/2): ``gradguard.deepspeed.DeepSpeedGuard(engine)``.
 
     Call ``guard.step(loss)`` in place of ``engine.step()`` after every micro-batch's
@@ -351,17 +352,6 @@ class DeepSpeedGuard:
         if batches is not None:
             self.core.attach_data_skip(self._skip_data)
 
-    @property
-    def log_path(self) -> str | None:
-        return self.core.log_path
-
-    def _skip_data(self, a: Any) -> dict[str, Any]:
-        preceding = [list(b) for b in self.batches.recent]
-        return {"skipped_indices": self.batches.skip(int(a.params.get("batches", 0))), "preceding_indices": preceding}
-
-    def observe_loss(self, loss: torch.Tensor | float) -> None:
-        self.core.observe_loss(loss)
-
     def accumulate(self, batch: Any, loss_fn: Callable[[Any], torch.Tensor]) -> float:
         raise UnsupportedSetupError("gradguard: Guard.accumulate with a DeepSpeed engine: DeepSpeed accumulates "
                                     "itself (gradient_accumulation_steps). Fix: call engine.backward(loss) and "
@@ -383,23 +373,3 @@ class DeepSpeedGuard:
             self.halted = report.diagnosis or {}
             finish_halt(core, self.halted)
         return report
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self.core.state_dict()
-        if self.batches is not None:
-            state["batches"] = self.batches.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.core.load_state_dict(state)
-        if self.batches is not None and "batches" in state:
-            self.batches.load_state_dict(state["batches"])
-
-    def close(self) -> dict[str, Any]:
-        return self.core.close()
-
-    def __enter__(self) -> DeepSpeedGuard:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -26,10 +26,60 @@ from .oom import SKIPPED, EveryRank, OomRecovery, PieceFailed
 from .policy import Action
 from .sinks import Sink
 
-__all__ = ["GradGuardHalt", "StepReport", "GuardCore", "Guard"]
+__all__ = ["GradGuardHalt", "StepReport", "GuardCore", "Guard", "LoopGuard"]
 
 
-class Guard:
+class LoopGuard:
+    """What every guard that drives its own loop (:class:`Guard`, the DeepSpeed one) shares: the
+    core it composes (``core``), the optional batch controller (``batches``), the state of both,
+    ``close`` and the context manager."""
+
+    core: GuardCore
+    batches: Any
+
+    @property
+    def log_path(self) -> str | None:
+        """The JSONL event log of this run (None when ``output.jsonl`` is off)."""
+        return self.core.log_path
+
+    def observe_loss(self, loss: torch.Tensor | float) -> None:
+        """Record one micro-batch loss (unscaled); the step's loss is their mean."""
+        self.core.observe_loss(loss)
+
+    def _skip_data(self, a: Action) -> dict[str, Any]:
+        assert self.batches is not None
+        preceding = [list(b) for b in self.batches.recent]
+        skipped = self.batches.skip(int(a.params.get("batches", 0)))
+        return {"skipped_indices": skipped, "preceding_indices": preceding}
+
+    def close(self) -> dict[str, Any]:
+        """Write the summary, close the sinks and take the LR hooks off the optimizer (idempotent)."""
+        return self.core.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's whole state (the core's, and the batch controller's)."""
+        state = self.core.state_dict()
+        if self.batches is not None:
+            state["batches"] = self.batches.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Validate, then apply a state from :meth:`state_dict` (nothing changes on a ``StateError``)."""
+        if self.batches is not None and isinstance(state, dict) and hasattr(self.batches, "check_state") \
+                and "batches" in state:
+            self.batches.check_state(state["batches"])  # before anything is applied
+        self.core.load_state_dict(state)
+        if self.batches is not None and "batches" in state:
+            self.batches.load_state_dict(state["batches"])
+
+    def __enter__(self) -> LoopGuard:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Guard(LoopGuard):
     """gradguard for a hand-written PyTorch loop.
 
     ``report = guard.step(loss)`` after ``backward()`` replaces gradient clipping,
@@ -89,22 +139,7 @@ class Guard:
             core.attach_batches(batches)
         self._misuse.attach(self)
 
-    @property
-    def log_path(self) -> str | None:
-        """The JSONL event log of this run (None when ``output.jsonl`` is off)."""
-        return self.core.log_path
-
-    def observe_loss(self, loss: torch.Tensor | float) -> None:
-        """Record one micro-batch loss (unscaled); the step's loss is their mean."""
-        self.core.observe_loss(loss)
-
     # -- batch controller actuators ----------------------------------------------------------
-    def _skip_data(self, a: Action) -> dict[str, Any]:
-        assert self.batches is not None
-        preceding = [list(b) for b in self.batches.recent]
-        skipped = self.batches.skip(int(a.params.get("batches", 0)))
-        return {"skipped_indices": skipped, "preceding_indices": preceding}
-
     def accumulate(self, batch: Any, loss_fn: Callable[[Any], torch.Tensor]) -> float:
         """Forward and backward over one step's samples (a ``StepBatch`` from the batch controller)
         in micro-batches, each loss weighted by its share of the step. On an out-of-memory error the
@@ -236,29 +271,3 @@ class Guard:
             self.halted = report.diagnosis or {}
             finish_halt(self.core, self.halted)
         return report
-
-    def close(self) -> dict[str, Any]:
-        """Write the summary, close the sinks and take the LR hooks off the optimizer (idempotent)."""
-        return self.core.close()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The guard's whole state (the core's, and the batch controller's)."""
-        state = self.core.state_dict()
-        if self.batches is not None:
-            state["batches"] = self.batches.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Validate, then apply a state from :meth:`state_dict` (nothing changes on a ``StateError``)."""
-        if self.batches is not None and isinstance(state, dict) and hasattr(self.batches, "check_state") \
-                and "batches" in state:
-            self.batches.check_state(state["batches"])  # before anything is applied
-        self.core.load_state_dict(state)
-        if self.batches is not None and "batches" in state:
-            self.batches.load_state_dict(state["batches"])
-
-    def __enter__(self) -> Guard:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
