@@ -37,7 +37,7 @@ from .contract import collective as default_collective
 from .detect import NORM_TAKEOVER, Detectors, Finding, Signals
 from .engine_api import EngineAPI
 from .errors import GradGuardHalt, UnsupportedSetupError, warn
-from .measure import EngineClip, GradMeasurer, LayerMap, metric_key, norm_layers
+from .measure import EngineClip, GradMeasurer, LayerMap, inner_norm_indices, metric_key, norm_layers
 from .names import M
 from .policy import Action, Decision, Policy
 from .recovery import step_verdict
@@ -137,7 +137,7 @@ class GuardCore(EngineAPI):
         self.shard_root = shard_root
         self.layers, self.measurer = self._measurement(layer_fn)
         self.detectors = Detectors(config.detect)
-        self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(model, self.layers))
+        self._watch_norms()
         self._layers_version = self.layers.version
         self.policy = Policy(config.policy)
         self.clip = ClipController(config.clip)
@@ -193,12 +193,19 @@ class GuardCore(EngineAPI):
                                      self.collective.world_size, self.reduce)
         return layers, measurer
 
+    def _watch_norms(self) -> None:
+        """The takeover rule's layers: the final norm, or (post-LN) the norms inside the blocks."""
+        inner = inner_norm_indices(self.model, self.layers) if self.measurer.sharding is None else []
+        self.measurer.set_watch(inner)
+        self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(self.model, self.layers),
+                                           inner=bool(inner))
+
     def _layers_joined(self) -> None:
         """Parameters became trainable: the total-norm baseline starts over (a warm-up of its own)
         rather than reading the larger norm as a spike; the takeover rule sees the new layers."""
         self._layers_version = self.layers.version
         self.detectors.grad.restart_total()
-        self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(self.model, self.layers))
+        self._watch_norms()
         self.emit({"type": "layers_joined", "step": self.step_count + 1, "layers": list(self.layers.layer_names)})
 
     # -- measure -----------------------------------------------------------------------------------
@@ -241,7 +248,7 @@ class GuardCore(EngineAPI):
         sig = Signals(step=step, loss=None if loss_v is None else loss_f, total_norm=meas.total_norm,
                       layer_norms=dict(zip(self.layers.layer_names, meas.layer_norms)),
                       nonfinite_layers=meas.nonfinite_layers, scale=None if scale_t is None else scale_f,
-                      overflow=bool(found_t is not None and found_f > 0))
+                      overflow=bool(found_t is not None and found_f > 0), inner_norm=meas.watched_norm)
         return self.decide(sig, grads, drop_on_skip=drop_on_skip, engine_norm=meas.engine_norm,
                            engine_coef=meas.engine_coef)
 

@@ -43,6 +43,9 @@ class Signals:
     scale: float | None = None
     overflow: bool = False
     lrs: list[float] = field(default_factory=list)
+    inner_norm: float | None = None
+    """The joint gradient norm of the normalization parameters inside the blocks, measured only
+    for a model without a standalone final norm (post-LN); None otherwise."""
 
 
 @dataclass
@@ -463,14 +466,19 @@ class NormTakeoverDetector:
     which the policy treats as an instability (rollback, lower LR). The window then starts over,
     so a persistent takeover is reported once per window. While the running median (half a window
     at least) is above the share, the run is *suspect*: snapshots taken then are not confirmed, so
-    a rollback goes back to weights from before the takeover. A model without a standalone
-    normalization layer (outside its numbered blocks) is not watched by this rule.
+    a rollback goes back to weights from before the takeover.
+
+    A model without a standalone normalization layer (post-LN: every norm sits inside a block, as
+    the last operation of its sublayer) is watched through the share of all its normalization
+    parameters inside the blocks (batch norms left out). It is 2-3% in healthy post-LN runs (LRs
+    1e-3 to 1e-2), 67-89% when the LR is far too high under clipping: the same signature.
     """
 
     def __init__(self, cfg: DetectConfig) -> None:
         self.cfg = cfg
         self.window: deque[float] = deque(maxlen=max(1, cfg.takeover_window))
         self.norm_layers: list[str] = []
+        self.inner = False  # post-LN: the share of the norm parameters inside the blocks (Signals.inner_norm)
         self.body: list[str] = []
         self.onset: int | None = None  # first step of the current run of high medians
         self.findings = 0
@@ -478,15 +486,25 @@ class NormTakeoverDetector:
         self._pending: tuple[float, int | None] | None = None
         self._suspect = False
 
-    def set_layers(self, layer_names: list[str], norm_layers: list[str]) -> None:
+    def set_layers(self, layer_names: list[str], norm_layers: list[str], inner: bool = False) -> None:
         """``norm_layers``: the layers made only of normalization parameters (the engine knows the
-        modules; see ``gradguard.measure.norm_layers``)."""
+        modules; see ``gradguard.measure.norm_layers``). ``inner``: the model has none, and the
+        norm parameters inside its blocks are measured instead (``Signals.inner_norm``)."""
         body = set(body_layers(layer_names))
         self.norm_layers = [n for n in norm_layers if n in layer_names and n not in body]
+        self.inner = inner and not self.norm_layers
         self.body = sorted(body)
 
     def _share(self, s: Signals, names: list[str]) -> float:
         return sum(s.layer_norms.get(n, 0.0) ** 2 for n in names) / s.total_norm ** 2
+
+    def _norm_share(self, s: Signals) -> float | None:
+        """The step's share of the watched norms (final norm layers, or the inner norms)."""
+        if self.norm_layers:
+            return self._share(s, self.norm_layers)
+        if self.inner and s.inner_norm is not None and math.isfinite(s.inner_norm):
+            return min(1.0, s.inner_norm ** 2 / s.total_norm ** 2)
+        return None
 
     def _high(self, window: list[float] | deque[float]) -> bool:
         cfg = self.cfg
@@ -513,10 +531,12 @@ class NormTakeoverDetector:
     def observe(self, s: Signals) -> list[Finding]:
         cfg = self.cfg
         self.commit()  # used on its own (no core settling each step), every observed step teaches
-        if (cfg.takeover_share >= 1 or not self.norm_layers or s.overflow or s.nonfinite_layers
+        if (cfg.takeover_share >= 1 or s.overflow or s.nonfinite_layers
                 or not (s.total_norm > 0 and math.isfinite(s.total_norm))):
             return []
-        share = self._share(s, self.norm_layers)
+        share = self._norm_share(s)
+        if share is None:
+            return []
         window = [*self.window, share][-self.window.maxlen:]  # type: ignore[misc]
         self._suspect = self._high(window)
         if not self._suspect:
@@ -531,10 +551,12 @@ class NormTakeoverDetector:
         self.onset = None
         self.findings += 1
         takers = sorted(self.norm_layers, key=lambda n: -s.layer_norms.get(n, 0.0))
-        body = (f"; the {len(self.body)} numbered blocks get {self._share(s, self.body):.1%}" if self.body else "")
+        who = ", ".join(takers) if takers else "the normalization layers inside the blocks"
+        body = (f"; the {len(self.body)} numbered blocks get {self._share(s, self.body):.1%}"
+                if self.body and takers else "")
         return [Finding(NORM_TAKEOVER, WARNING, s.step, value=med, threshold=cfg.takeover_share, baseline=onset,
                         layers=takers,
-                        message=f"{', '.join(takers)} take {med:.0%} of the gradient (median of the last "
+                        message=f"{who} take {med:.0%} of the gradient (median of the last "
                                 f"{len(window)} steps, above {cfg.takeover_share:.0%} since step {onset}; healthy "
                                 f"runs < 2%){body}: the model "
                                 "mostly rescales its output instead of learning features, typical of a learning "

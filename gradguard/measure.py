@@ -294,6 +294,18 @@ def norm_layers(model: nn.Module, layers: LayerMap) -> list[str]:
     return [layers.layer_names[li] for li, only_norm in sorted(owned.items()) if only_norm]
 
 
+def inner_norm_indices(model: nn.Module, layers: LayerMap) -> list[int]:
+    """Positions in ``layers.params`` of the normalization parameters inside the model's blocks, for a
+    model with no standalone final norm (post-LN: every norm sits inside a block). Batch norms are
+    left out (their gradient share is routine in CNNs). Empty when the model has a standalone norm
+    layer (the final-norm rule applies) or when parameters are sliced or sharded views."""
+    if norm_layers(model, layers) or layers.sliced:
+        return []
+    ids = {id(p) for m in model.modules() if is_norm_module(m) and not isinstance(m, nn.modules.batchnorm._BatchNorm)
+           for p in m.parameters(recurse=False)}
+    return [i for i, p in enumerate(layers.params) if id(p) in ids]
+
+
 @dataclass
 class Measurement:
     """What one step's sync brought back to the host."""
@@ -308,6 +320,9 @@ class Measurement:
     :class:`EngineClip` was measured."""
     engine_coef: float | None = None
     """``clip_grad_norm_``'s clamped coefficient for the engine's clip (1.0: nothing to scale)."""
+    watched_norm: float | None = None
+    """The L2 norm of the gradients of :attr:`GradMeasurer.watch` (None: nothing watched, or not
+    measurable this step), from the same per-tensor norms."""
 
 
 @dataclass
@@ -433,6 +448,14 @@ class GradMeasurer:
         self._engine: EngineClip | None = None
         self.transfers = 0  # host-device transfers made by measure(): one per call
         self.sharding: Any = None  # gradguard._shard.Sharding when parameters are sharded (FSDP)
+        #: positions in ``layers.params`` whose gradients' joint norm is also packed (see ``watched_norm``)
+        self.watch: list[int] = []
+        self._watch_version = -1
+
+    def set_watch(self, positions: list[int]) -> None:
+        """Watch these positions of ``layers.params`` (for the current layer map; a change of the
+        map makes the watched norm unmeasured until the positions are set again)."""
+        self.watch, self._watch_version = list(positions), self.layers.version
 
     def grads(self) -> tuple[list[torch.Tensor], list[int]]:
         """The present gradients and the layer of each (do not modify the lists)."""
@@ -519,7 +542,9 @@ class GradMeasurer:
         plan = self._plan(grads, owners) if grads else None
         device = plan.device if plan is not None else torch.device("cpu")
         dtype = plan.dtype if plan is not None else torch.float32
-        size = n_layers + n_extra + (2 if engine is not None else 0)
+        if self.watch:
+            extra_list.append(None)  # the watched norm's slot (filled below when measurable)
+        size = n_layers + len(extra_list) + (2 if engine is not None else 0)
         buf = self._buffer(device, dtype, size)
         engine_vals = None
         if plan is not None:
@@ -536,21 +561,43 @@ class GradMeasurer:
                                                   native=engine is not None, weights=weights, stacks=stacks)
             if engine is not None:
                 engine_vals = self._engine_total_of(engine, grads, per_tensor, stacks or [])
+            if self.watch:
+                extra_list[-1] = self._watched_sq(grads, per_tensor, weights)
         else:
             buf[:n_layers].zero_()
         self._pack_tail(buf, n_layers, extra_list, engine, engine_vals)
         packed = reduce(buf) if reduce is not None else buf
         host = self._read(packed)  # the one host-device sync of the step
         self.transfers += 1
-        layer_sq_h = host[:n_layers]
-        layer_norms = [v ** 0.5 for v in layer_sq_h]  # inf and nan stay as they are
-        total = sum(layer_sq_h) ** 0.5
+        return self._unpack(host, n_layers, n_extra, engine_vals is not None)
+
+    def _unpack(self, host: list[float], n_layers: int, n_extra: int, engine: bool) -> Measurement:
+        """The host copy of the packed buffer as a :class:`Measurement`."""
+        layer_norms = [v ** 0.5 for v in host[:n_layers]]  # inf and nan stay as they are
+        total = sum(host[:n_layers]) ** 0.5
         bad = [self.layers.layer_names[i] for i, v in enumerate(layer_norms) if not math.isfinite(v)]
         meas = Measurement(layer_norms=layer_norms, total_norm=total, extras=host[n_layers:n_layers + n_extra],
                            nonfinite_layers=bad)
-        if engine_vals is not None:
-            meas.engine_norm, meas.engine_coef = host[n_layers + n_extra], host[n_layers + n_extra + 1]
+        tail = n_layers + n_extra
+        if self.watch:
+            if not math.isnan(host[tail]):
+                meas.watched_norm = host[tail] ** 0.5
+            tail += 1
+        if engine:
+            meas.engine_norm, meas.engine_coef = host[tail], host[tail + 1]
         return meas
+
+    def _watched_sq(self, grads: list[torch.Tensor], per_tensor: list[torch.Tensor | None],
+                    weights: torch.Tensor | None) -> torch.Tensor | None:
+        """The squared joint norm of the watched gradients, from the norms just computed: only in the
+        usual step (every gradient present, nothing sharded), None otherwise."""
+        if weights is not None or len(grads) != len(self.layers.params) or self._watch_version != self.layers.version:
+            return None
+        picked = [per_tensor[i] for i in self.watch if i < len(per_tensor)]
+        if not picked or any(t is None for t in picked):
+            return None
+        first = picked[0].device  # type: ignore[union-attr]
+        return torch.stack([t.to(first, torch.float32) for t in picked]).square().sum()  # type: ignore[union-attr]
 
     def _pack_tail(self, buf: torch.Tensor, n_layers: int, extras: list[Any], engine: EngineClip | None,
                    engine_vals: Any) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -192,3 +193,63 @@ def test_hf_trainer_quiet_failure_is_rescued_by_the_default_callback(tmp_path):
     acts = {a.name: a.params for a in hit.actions}
     assert acts["rollback"]["to_step"] == 0 and acts["lower_lr"]["to"] == pytest.approx(0.03)
     assert tr.state.global_step == 45 and cb.core.lr.global_mult == pytest.approx(0.03)
+
+
+class _PostLN(torch.nn.Module):
+    """Post-LN blocks (each norm inside its block, after the residual sum) and no final norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=False)
+            for _ in range(2))
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        for b in self.blocks:
+            h = b(h, src_mask=mask, is_causal=True)
+        return self.head(h)
+
+
+def _post_ln_run(lr: float, steps: int = 60) -> tuple[list[dict], list[float]]:
+    torch.manual_seed(0)
+    model = _PostLN()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    guard = gg.Guard(model, opt, config=gg.GuardConfig(policy={"act": False}, output={"console": False}))
+    assert guard.core.detectors.takeover.inner and not guard.core.detectors.takeover.norm_layers
+    gen = torch.Generator().manual_seed(0)
+    findings, shares = [], []
+    base = torch.arange(64).repeat(4)
+    for _ in range(steps):
+        starts = torch.randint(0, 64, (8,), generator=gen)
+        x = torch.stack([base[s:s + 17] for s in starts])  # a learnable cyclic sequence
+        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, 64), x[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        rep = guard.step(loss)
+        norm_sq = sum(float(p.grad.pow(2).sum()) for m in model.modules() if isinstance(m, torch.nn.LayerNorm)
+                      for p in m.parameters() if p.grad is not None)
+        total_sq = sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None)
+        shares.append(norm_sq / total_sq)
+        findings += [f for f in rep.findings if f.kind == NORM_TAKEOVER]
+        opt.zero_grad(set_to_none=True)
+    guard.close()
+    return findings, shares
+
+
+@pytest.mark.filterwarnings("ignore::gradguard.errors.GradGuardWarning")
+def test_a_post_ln_model_is_watched_through_the_norms_inside_its_blocks():
+    """No final norm outside the blocks: the share of the norm parameters inside them is the signal,
+    measured in the same pass (it matches a direct computation); a far too high LR is found, a good
+    one is not."""
+    found, shares = _post_ln_run(3.0)
+    assert found, f"no takeover at lr 3.0 (median share {sorted(shares)[len(shares) // 2]:.2f})"
+    assert "normalization layers inside the blocks" in found[0].message
+    f = found[0]
+    window = shares[f.step - 20:f.step]  # the finding's window, computed directly from the gradients
+    assert f.value == pytest.approx(statistics.median(window), rel=1e-4) and f.value > 0.2
+    ok, ok_shares = _post_ln_run(1e-3)
+    assert ok == [] and max(sorted(ok_shares)[len(ok_shares) // 2], 0) < 0.2
