@@ -27,7 +27,7 @@ __all__ = [
     "shadow_method", "unshadow_method",
     "find_caller", "hf_callback_list", "pl_combined_loader", "pl_loader_iterator", "pl_iterator_drawn",
     "pl_restart_sampler_iter", "pl_data_fetcher", "pl_set_epoch_length", "pl_checkpoint_last_saved",
-    "hf_callback_being_restored", "pl_saving_checkpoint_path",
+    "hf_callback_being_restored", "pl_saving_checkpoint_path", "pl_callbacks_being_validated",
     "swap_class", "check_features", "versions", "has_foreach_support", "device_dtype_groups", "HF_NORM_METHOD", "hf_norm_pass_plain",
     "pl_log_step", "pl_should_update_logs",
     "swap_class", "check_features", "versions", "dtensor_type", "fsdp1_units", "fsdp1_uses_orig_params",
@@ -290,6 +290,28 @@ def pl_checkpoint_last_saved(cb: Any) -> tuple[int | None, list[str]]:
     paths = [getattr(cb, "_last_checkpoint_saved", "") or getattr(cb, "last_model_path", "")]
     paths += list(getattr(cb, "best_k_models", None) or {})
     return (None if step is None else int(step)), [str(p) for p in paths if p]
+
+
+def pl_callbacks_being_validated() -> list[Any] | None:
+    """While Lightning checks ``Trainer(callbacks=...)`` for duplicate state keys
+    (``_validate_callbacks_list``, which reads each stateful callback's ``state_key``): the callback
+    list it checks, so gradguard's clearer error for two guards under one name comes first. None
+    otherwise. Call it from the ``state_key`` property only (it reads the frame that reads the key).
+
+    lightning 2.6.6 runs that check inside ``Trainer.__init__`` before any callback hook and passes the
+    list to no callback, so the caller's frame is the only way to see it (``sys._getframe``); callbacks
+    added after the Trainer's init are checked again in the ``setup`` hook."""
+    getframe = getattr(sys, "_getframe", None)
+    if getframe is None:  # pragma: no cover - other Python implementations
+        return None
+    try:
+        caller = getframe(2)  # 0: here, 1: state_key, 2: whoever reads the key
+    except ValueError:  # pragma: no cover
+        return None
+    if caller.f_code.co_name != "_validate_callbacks_list":
+        return None
+    callbacks = caller.f_locals.get("callbacks")
+    return callbacks if isinstance(callbacks, list) else None
 
 
 def pl_saving_checkpoint_path(trainer: Any, depth: int = 16) -> str | None:

@@ -14,7 +14,6 @@ metrics to the Trainer's logs. The full mapping and the plumbing are in :mod:`gr
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from ._compat import find_caller, hf_callback_being_restored, is_deepspeed_engine
@@ -24,9 +23,10 @@ from ._hf.deepspeed import DeepSpeedRun
 from ._hf.live import add_to_logs, bind_integrations, is_logging_step, move_ahead_of_reporters
 from ._hf.loader import TrainerLoader
 from ._hf.norm import StepDecision
-from ._hf.setup import build, effective_config, event_log_dir, once_in_callbacks, validate
+from ._hf.setup import build, event_log_dir, once_in_callbacks, per_process_config, validate
 from ._hf.steps import StepRunner
 from .adapter import HaltLatch, halt_raises, may_wrap
+from .clip import HFClip
 from .config import GuardConfig
 from .errors import StateError
 from .guard import GuardCore, StepReport
@@ -104,7 +104,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
     def _reset_run(self) -> None:
         self._hook: Any = None
         self.decision: StepDecision | None = None  # the run's step decisions (gradguard._hf.norm)
-        self._user_max_grad_norm: float | None = None
+        self._clip: HFClip | None = None  # TrainingArguments.max_grad_norm for this run (gradguard.clip)
         self._window_losses: list[float] = []
         self._halt = HaltLatch(halt_raises(self.config, self.raise_on_halt))
         self._args: Any = None
@@ -127,8 +127,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         """The max_grad_norm in force (the guard's, or the Trainer's own when the guard does not clip)."""
         if self.core is None:
             return None
-        guard = self.core.max_grad_norm
-        return guard if guard is not None or self.decision is None else self.decision.replay_clip
+        return self._clip.in_force(self.core) if self._clip is not None else self.core.max_grad_norm
 
     def observe_loss(self, loss: Any) -> None:
         """Feed the guard one micro-batch's loss when the model's output holds none (a custom
@@ -171,24 +170,25 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         self.reports = []
         if not self._validate(args, optimizer):
             return  # monitor mode on an unsupported setup: stand aside
-        cfg, replay_clip = effective_config(self.config, args)
-        out_dir = event_log_dir(cfg, self.out_dir, self, args)
-        self._args = args
         from transformers import Trainer
 
         trainer = find_caller(Trainer, start=2)
         engine = getattr(trainer, "model_wrapped", None)
-        if getattr(trainer, "is_deepspeed_enabled", False) is True and is_deepspeed_engine(engine):
-            self._ds = DeepSpeedRun(cfg, engine, lr_scheduler, list(self.user_sinks), out_dir,
-                                   trainer_clip=args.max_grad_norm)
+        ds_engine = engine if getattr(trainer, "is_deepspeed_enabled", False) is True and is_deepspeed_engine(engine) \
+            else None
+        self._clip = clip = HFClip(args, self.config, ds_engine)  # the clip rule, evaluated once
+        cfg = per_process_config(clip.config, args)
+        out_dir = event_log_dir(cfg, self.out_dir, self, args)
+        self._args = args
+        if ds_engine is not None:
+            self._ds = DeepSpeedRun(cfg, engine, lr_scheduler, list(self.user_sinks), out_dir)
             self.core = self._ds.core
             if state.global_step > 0:
                 self._restore(args, state)  # the guard state of the checkpoint resumed from
             self._control, self._tstate = control, state
             self._callbacks = list(getattr(getattr(trainer, "callback_handler", None), "callbacks", None) or [])
             return
-        self._user_max_grad_norm = args.max_grad_norm
-        core, runner, decision, self._batches = build(cfg, replay_clip, args, model, optimizer, lr_scheduler,
+        core, runner, decision, self._batches = build(cfg, clip.replay, args, model, optimizer, lr_scheduler,
                                                       train_dataloader, list(self.user_sinks), out_dir)
         self.core, self.runner, self.decision = core, runner, decision
         if state.global_step > 0:
@@ -202,7 +202,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if trainer is not None:
             decision.take_over(trainer)  # the Trainer's norm pass becomes the step's decision
         self._hook = model.register_forward_hook(runner.forward_hook, with_kwargs=True)
-        args.max_grad_norm = math.inf  # keep unscaling + measuring in the Trainer, never its clipping
+        clip.take_over()  # keep unscaling + measuring in the Trainer, never its clipping
 
     def _restore(self, args: Any, state: Any) -> None:
         assert self.core is not None and (self.runner is not None or self._ds is not None)
@@ -257,19 +257,18 @@ class GradGuardCallback(TrainerCallback, ExportableState):
         if self._halt.halted:
             control.should_training_stop = True
             control.should_save = True
-        if control.should_save and self._ds is None:
-            args.max_grad_norm = hf_state.clip_on_save(self.max_grad_norm)
+        if control.should_save and self._clip is not None:
+            self._clip.before_save(core)  # the checkpoint records the clip in force
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.core is not None and control.should_save and self._ds is None:
-            args.max_grad_norm = hf_state.clip_on_save(self.max_grad_norm)
+        if self.core is not None and control.should_save and self._clip is not None:
+            self._clip.before_save(self.core)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.core is not None:
-            clip = args.max_grad_norm
+            if self._clip is not None:
+                self._clip.after_save()
             hf_state.saved(self.core, args, state.global_step, self._export, self.diagnosis)
-            if self._ds is not None:
-                args.max_grad_norm = clip  # DeepSpeed's clip is the engine's (the guard sets it there)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if self.core is None or logs is None or self.core.last_report is None:
@@ -282,8 +281,8 @@ class GradGuardCallback(TrainerCallback, ExportableState):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.core is None:
             return
-        if self._user_max_grad_norm is not None:
-            args.max_grad_norm = self._user_max_grad_norm
+        if self._clip is not None:
+            self._clip.put_back()
         self._teardown()
         self._halt.finish()  # GradGuardHalt after the save, unless output.halt_raises is False
 
