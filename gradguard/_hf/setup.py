@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any
 
-from .._compat import check_features, hf_callback_list, is_deepspeed_engine
+from .._compat import check_features, is_deepspeed_engine
 from ..act import unwrap_optimizer
 from ..adapter import SchedulerHold, engine_refusal, refuse_unsupported
 from ..clip import check_ladder
@@ -43,14 +43,14 @@ def per_process_config(config: GuardConfig, args: Any) -> GuardConfig:
     return config
 
 
-def event_log_dir(cfg: GuardConfig, out_dir: str | None, callback: Any, args: Any) -> str | None:
+def event_log_dir(cfg: GuardConfig, out_dir: str | None, callbacks: list[Any], args: Any) -> str | None:
     """The event log's folder on the main process: where the Trainer keeps its logs
     (:mod:`gradguard.logdir`); none found turns ``cfg.output.jsonl`` off."""
     if not cfg.output.jsonl:
         return None
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    found = choose_log_dir(out_dir or cfg.output.dir, [tensorboard_dir(hf_callback_list(callback), args)],
+    found = choose_log_dir(out_dir or cfg.output.dir, [tensorboard_dir(callbacks, args)],
                            engine="HF Trainer", how_to_name="GradGuardCallback(out_dir=...)",
                            checkpoint_dirs=[args.output_dir], checkpoint_prefix=PREFIX_CHECKPOINT_DIR)
     if found is None:
