@@ -82,7 +82,12 @@ def scaler_unscaled(scaler: Any, optimizer: Any) -> bool:
 
 def scalers_in_use() -> list[Any]:
     """Every enabled ``torch.amp.GradScaler`` of the process that has scaled a loss (one walk over
-    the garbage collector's objects: call it once, not per step)."""
+    the garbage collector's objects: call it once, not per step).
+
+    Only for the plain loop's misuse check (``scaler_not_passed``), once per run and only when one
+    of the first steps has a non-finite or huge norm: the user did not pass the scaler, and torch
+    2.13.0 keeps no registry of GradScalers and gives the loss no link to the scaler that scaled
+    it, so there is no public way to name it."""
     import gc
 
     cls = getattr(torch.amp, "GradScaler", None)
@@ -342,7 +347,12 @@ def pl_callbacks_being_validated() -> list[Any] | None:
 
 def pl_saving_checkpoint_path(trainer: Any, depth: int = 16) -> str | None:
     """While ``trainer.save_checkpoint(filepath)`` runs (callbacks' ``on_save_checkpoint``): the
-    file being written (the ``filepath`` argument of that frame). None when not found."""
+    file being written (the ``filepath`` argument of that frame). None when not found.
+
+    lightning 2.6.6 passes ``on_save_checkpoint`` the checkpoint dict but not the path it goes to
+    (``ModelCheckpoint`` records it only after the write), so the frame of ``save_checkpoint`` is
+    the only way to let a checkpoint list itself in the guard state it carries; when not found, the
+    path is taken from ``ModelCheckpoint``'s record at the next batch."""
     getframe = getattr(sys, "_getframe", None)
     if getframe is None:  # pragma: no cover - other Python implementations
         return None
