@@ -25,9 +25,9 @@ from .errors import warn_once
 __all__ = [
     "scaler_scale", "scaler_found_inf", "set_scaler_scale", "scaler_unscaled", "scalers_in_use",
     "shadow_method", "unshadow_method",
-    "find_caller", "hf_callback_list", "pl_combined_loader", "pl_loader_iterator", "pl_iterator_drawn",
+    "find_caller", "hf_trainer", "hf_restore_into_own_instances", "pl_combined_loader", "pl_loader_iterator", "pl_iterator_drawn",
     "pl_restart_sampler_iter", "pl_data_fetcher", "pl_set_epoch_length", "pl_checkpoint_last_saved",
-    "hf_callback_being_restored", "pl_saving_checkpoint_path",
+    "pl_saving_checkpoint_path", "pl_callbacks_being_validated",
     "swap_class", "check_features", "versions", "has_foreach_support", "device_dtype_groups", "HF_NORM_METHOD", "hf_norm_pass_plain",
     "pl_log_step", "pl_should_update_logs",
     "swap_class", "check_features", "versions", "dtensor_type", "fsdp1_units", "fsdp1_uses_orig_params",
@@ -82,7 +82,12 @@ def scaler_unscaled(scaler: Any, optimizer: Any) -> bool:
 
 def scalers_in_use() -> list[Any]:
     """Every enabled ``torch.amp.GradScaler`` of the process that has scaled a loss (one walk over
-    the garbage collector's objects: call it once, not per step)."""
+    the garbage collector's objects: call it once, not per step).
+
+    Only for the plain loop's misuse check (``scaler_not_passed``), once per run and only when one
+    of the first steps has a non-finite or huge norm: the user did not pass the scaler, and torch
+    2.13.0 keeps no registry of GradScalers and gives the loss no link to the scaler that scaled
+    it, so there is no public way to name it."""
     import gc
 
     cls = getattr(torch.amp, "GradScaler", None)
@@ -177,7 +182,7 @@ def swap_class(obj: Any, cls: type) -> None:
     obj.__class__ = cls
 
 
-# -- call stack: objects an engine does not pass to its callbacks --------------------------------
+# -- call stack: the one object an engine does not pass to its callbacks ---------------------------
 def find_caller(cls: type, *, start: int = 2, depth: int = 12) -> Any:
     """The nearest ``self`` on the call stack that is an instance of ``cls`` (``sys._getframe``)."""
     getframe = getattr(sys, "_getframe", None)
@@ -197,31 +202,57 @@ def find_caller(cls: type, *, start: int = 2, depth: int = 12) -> Any:
     return None
 
 
-def hf_callback_list(callback: Any) -> list[Any] | None:
-    """The ``CallbackHandler.callbacks`` list that holds ``callback`` (found on the call stack)."""
-    try:
-        from transformers.trainer_callback import CallbackHandler
-    except ImportError:  # pragma: no cover
-        return None
-    handler = find_caller(CallbackHandler, start=2)
-    cbs = getattr(handler, "callbacks", None)
-    return cbs if isinstance(cbs, list) and callback in cbs else None
+def hf_trainer() -> Any:
+    """The ``transformers.Trainer`` whose event (or ``TrainerState`` construction) is running, None
+    outside a Trainer.
 
-
-def hf_callback_being_restored(cls: type) -> Any:
-    """While the Trainer rebuilds callbacks from a checkpoint (``restore_callback_states_from_checkpoint``,
-    ``Trainer._load_callback_state``): the first instance of exactly ``cls`` still in its callback
-    list, i.e. the user's callback the rebuilt one is about to replace (the Trainer replaces them in
-    list order, removing each as it goes). None outside a Trainer."""
+    transformers 5.24.0 hands a callback ``args``, ``state``, ``control`` and the model, optimizer,
+    scheduler and dataloaders (``CallbackHandler.call_event``), never the Trainer or its callback
+    list; the adapter needs the Trainer once per run (its ``training_step`` and norm pass, the
+    DeepSpeed engine, the FSDP/DeepSpeed flags, ``callback_handler.callbacks``), so it is found on
+    the call stack: the only call-stack inspection of the HF adapter."""
     try:
         from transformers import Trainer
     except ImportError:  # pragma: no cover
         return None
-    trainer = find_caller(Trainer, start=2)
-    cbs = getattr(getattr(trainer, "callback_handler", None), "callbacks", None)
-    if not isinstance(cbs, list):
-        return None
-    return next((c for c in cbs if type(c) is cls), None)
+    return find_caller(Trainer, start=2, depth=16)
+
+
+_RESTORE_MARK = "_gradguard_restores"
+
+
+def hf_restore_into_own_instances(trainer: Any, cls: type) -> None:
+    """``TrainingArguments(restore_callback_states_from_checkpoint=True)``: the Trainer's
+    ``_load_callback_state`` rebuilds every stateful callback from the arguments saved in
+    ``trainer_state.json`` (``type(cb)(**args)``), sets the saved attributes on the new instance and
+    swaps it for the one the user passed, dropping that instance's sinks, ``out_dir`` and config.
+    transformers 5.24.0 has no public way to restore into the existing instance, so
+    ``_load_callback_state`` is shadowed on this Trainer instance: the entries of ``cls`` (by class
+    name, as the Trainer matches them) have their saved attributes set on the user's own instances,
+    in list order; the Trainer restores every other callback as before. Idempotent."""
+    orig = getattr(trainer, "_load_callback_state", None)
+    name = cls.__name__
+    if orig is None or name in getattr(orig, _RESTORE_MARK, ()):
+        return
+
+    def load_callback_state() -> None:
+        entries = getattr(getattr(trainer, "state", None), "stateful_callbacks", None)
+        restore = bool(getattr(trainer.args, "restore_callback_states_from_checkpoint", False))
+        mine = entries.pop(name, None) if restore and isinstance(entries, dict) else None
+        try:
+            orig()
+        finally:
+            if mine is not None:
+                entries[name] = mine
+        if mine is None:
+            return
+        own = [c for c in trainer.callback_handler.callbacks if type(c).__name__ == name]
+        for callback, data in zip(own, mine if isinstance(mine, list) else [mine]):
+            for attribute, value in (data.get("attributes") or {}).items():
+                setattr(callback, attribute, value)
+
+    setattr(load_callback_state, _RESTORE_MARK, (*getattr(orig, _RESTORE_MARK, ()), name))
+    shadow_method(trainer, "_load_callback_state", load_callback_state)
 
 
 # -- Lightning: the fit loop's data plumbing -------------------------------------------------------
@@ -292,9 +323,36 @@ def pl_checkpoint_last_saved(cb: Any) -> tuple[int | None, list[str]]:
     return (None if step is None else int(step)), [str(p) for p in paths if p]
 
 
+def pl_callbacks_being_validated() -> list[Any] | None:
+    """While Lightning checks ``Trainer(callbacks=...)`` for duplicate state keys
+    (``_validate_callbacks_list``, which reads each stateful callback's ``state_key``): the callback
+    list it checks, so gradguard's clearer error for two guards under one name comes first. None
+    otherwise. Call it from the ``state_key`` property only (it reads the frame that reads the key).
+
+    lightning 2.6.6 runs that check inside ``Trainer.__init__`` before any callback hook and passes the
+    list to no callback, so the caller's frame is the only way to see it (``sys._getframe``); callbacks
+    added after the Trainer's init are checked again in the ``setup`` hook."""
+    getframe = getattr(sys, "_getframe", None)
+    if getframe is None:  # pragma: no cover - other Python implementations
+        return None
+    try:
+        caller = getframe(2)  # 0: here, 1: state_key, 2: whoever reads the key
+    except ValueError:  # pragma: no cover
+        return None
+    if caller.f_code.co_name != "_validate_callbacks_list":
+        return None
+    callbacks = caller.f_locals.get("callbacks")
+    return callbacks if isinstance(callbacks, list) else None
+
+
 def pl_saving_checkpoint_path(trainer: Any, depth: int = 16) -> str | None:
     """While ``trainer.save_checkpoint(filepath)`` runs (callbacks' ``on_save_checkpoint``): the
-    file being written (the ``filepath`` argument of that frame). None when not found."""
+    file being written (the ``filepath`` argument of that frame). None when not found.
+
+    lightning 2.6.6 passes ``on_save_checkpoint`` the checkpoint dict but not the path it goes to
+    (``ModelCheckpoint`` records it only after the write), so the frame of ``save_checkpoint`` is
+    the only way to let a checkpoint list itself in the guard state it carries; when not found, the
+    path is taken from ``ModelCheckpoint``'s record at the next batch."""
     getframe = getattr(sys, "_getframe", None)
     if getframe is None:  # pragma: no cover - other Python implementations
         return None

@@ -6,11 +6,8 @@
   warning, and the guard stands aside (it must never be what stops a run the engine accepts).
 * :func:`stand_aside`: a run with nothing to watch (Lightning's mock optimizer when
   ``configure_optimizers`` returns None): one warning and no attach, in every mode.
-* :func:`resolve_clip`: the clip conflict rule. gradguard owns norm clipping when it acts and
-  ``clip.mode`` is not ``"off"``: the engine's own setting (``max_grad_norm``,
-  ``gradient_clip_val``) becomes the guard's starting ``clip.max_norm``; if both were set to
-  different values, :class:`ConfigError`. When the guard does not clip (monitor mode or
-  ``clip.mode="off"``) the engine's clipping is left as it is.
+* Clipping (the rule, the controller, each engine's clip setting) has its own module:
+  :mod:`gradguard.clip`.
 * :func:`unusable_resume_state`: a saved guard state that cannot be restored on resume is a
   :class:`StateError` when the policy acts; in monitor mode a warning, and the guard starts fresh.
   :func:`restore_guard_state` applies a saved guard state with that rule.
@@ -24,18 +21,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import math
 from typing import Any
 
 import torch
 
 from ._compat import is_deepspeed_engine, shadow_method, unshadow_method
-from .config import ClipConfig, GuardConfig, explicit
-from .errors import ConfigError, GradGuardHalt, StateError, UnsupportedSetupError, warn
+from .config import GuardConfig
+from .errors import GradGuardHalt, StateError, UnsupportedSetupError, warn
 
-__all__ = ["refuse_unsupported", "stand_aside", "unusable_resume_state", "ENGINE_REFUSALS", "engine_refusal", "sharding_problems", "refuse_setup", "resolve_clip", "may_wrap", "SchedulerHold", "HaltLatch", "free_memory",
+__all__ = ["refuse_unsupported", "stand_aside", "unusable_resume_state", "ENGINE_REFUSALS", "engine_refusal", "sharding_problems", "refuse_setup", "may_wrap", "SchedulerHold", "HaltLatch", "free_memory",
            "halt_raises", "restore_guard_state"]
 
 
@@ -141,52 +136,6 @@ def refuse_setup(model: Any) -> None:
     if problems:
         setting, why = next(iter(problems.items()))
         raise UnsupportedSetupError(f"gradguard: {setting}: {why}")
-
-
-def resolve_clip(config: GuardConfig, engine_value: float | None, *, engine_default: float | None,
-                 setting: str) -> tuple[GuardConfig, float | None]:
-    """The one clip rule. Returns (the config to build the core with, the engine clip value to leave
-    in force or replay when the guard does not clip, else None).
-
-    When the guard clips, what the user configured is what runs:
-
-    * an engine setting left at its default (``max_grad_norm=1.0``) never overrides a
-      ``clip.max_norm`` configured in gradguard (a dict/preset entry or a non-default value);
-    * an engine setting the user changed becomes the starting ``clip.max_norm`` when gradguard's was
-      not configured;
-    * both configured to different values: :class:`ConfigError`, except when gradguard's value is the
-      default 1.0 written out explicitly (a dumped full config): the engine's value wins, with a
-      warning saying so.
-
-    Evaluate it once per run (its warning is given here)."""
-    v = float(engine_value) if engine_value not in (None, False) else 0.0
-    engine_clips = 0 < v < math.inf
-    if not config.policy.act or config.clip.mode == "off":
-        return config, (v if engine_clips else None)
-    if not engine_clips or v == config.clip.max_norm:
-        return config, None
-    user_set_engine = engine_default is None or v != float(engine_default)
-    if not user_set_engine:  # the engine's default: what gradguard was given (or its own default) runs
-        return config, None
-    default_max = ClipConfig().max_norm
-    if config.clip.max_norm != default_max:
-        raise ConfigError(
-            f"{setting}={v!r} conflicts with GuardConfig.clip.max_norm={config.clip.max_norm!r}: gradguard owns "
-            "clipping and starts from one of them. Fix: set only one of the two (or make them equal)")
-    if explicit(config.clip, "max_norm"):
-        warn(f"gradguard: {setting}={v!r} and GuardConfig.clip.max_norm={config.clip.max_norm!r} were both set; "
-             f"the guard clips at {setting}={v!r} (a clip.max_norm equal to the default cannot be told from an "
-             "unset one). Fix: set only one of the two", stacklevel=3)
-    clip = dataclasses.replace(config.clip, max_norm=v, floor=min(config.clip.floor, v))
-    return dataclasses.replace(config, clip=clip), None
-
-
-def check_ladder(config: GuardConfig) -> None:
-    if config.policy.act and config.clip.mode == "off" and any("tighten_clip" in r for r in config.policy.ladder):
-        raise ConfigError(
-            f"GuardConfig.clip.mode={config.clip.mode!r} with 'tighten_clip' in GuardConfig.policy.ladder: "
-            "the policy could not tighten a clip that is off. Fix: use clip.mode='fixed' or 'adaptive', or "
-            "remove 'tighten_clip' from the ladder")
 
 
 def may_wrap(config: GuardConfig) -> bool:

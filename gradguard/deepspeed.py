@@ -61,7 +61,7 @@ from ._compat import (
     ds_zero_optimizer,
     is_deepspeed_engine,
 )
-from .adapter import check_ladder, resolve_clip
+from .clip import check_ladder, resolve_clip
 from .config import GuardConfig
 from .core import GuardCore, finish_halt
 from .detect import Signals as StepSignals
@@ -309,7 +309,7 @@ def engine_step_end(core: Any, handle: DeepSpeedEngineHandle, loss: Any = None) 
 
 def build_config(config: GuardConfig, engine: Any) -> GuardConfig:
     """The config a DeepSpeed run is guarded with: the engine's ``gradient_clipping`` becomes the
-    starting ``clip.max_norm`` (the one clip rule of :func:`gradguard.adapter.resolve_clip`)."""
+    starting ``clip.max_norm`` (the one clip rule of :func:`gradguard.clip.resolve_clip`)."""
     config, _ = resolve_clip(config, ds_clip(engine) or None, engine_default=0.0, setting="gradient_clipping")
     check_ladder(config)
     return config

@@ -3,11 +3,12 @@
 The callback translates Lightning's hooks into the engine contract's events
 (:class:`gradguard.contract.Event`) and calls :class:`gradguard.guard.GuardCore`; detection, policy,
 trust tier, rollback loop, halting and the clip/refusal rules live in the core
-(:mod:`gradguard.recovery`, :mod:`gradguard.adapter`). This file only translates hooks; Lightning
-plumbing lives beside it in ``gradguard/_lightning/``: FIT_START, attach and teardown (``setup.py``),
-the checkpoint entry and its restore (``state.py``), the optimizer-step boundary (``boundary.py``),
-the DataLoader as loader handle (``loader.py``), the ``ModelCheckpoint`` files as checkpoint source
-(``checkpoints.py``), the step wrappers (``steps.py``), Lightning's clip (``clip.py``).
+(:mod:`gradguard.recovery`, :mod:`gradguard.adapter`, :mod:`gradguard.clip`). This file only maps hooks
+to methods of the run object, :class:`gradguard._lightning.run.LightningRun`, which holds the per-run
+state (FIT_START, attach and teardown, the optimizer-step boundary, the checkpoint entry and its
+restore); Lightning plumbing lives beside it in ``gradguard/_lightning/``: setup checks and logger
+sinks (``setup.py``), the DataLoader as loader handle (``loader.py``), the ``ModelCheckpoint`` files as checkpoint source
+(``checkpoints.py``), the step wrappers (``steps.py``); Lightning's clip: :class:`gradguard.clip.LightningClip`.
 
 Hook -> event (automatic optimization, Lightning 2.4+):
 
@@ -36,20 +37,15 @@ package; :func:`make_callback_class` builds the callback for any Lightning modul
 
 from __future__ import annotations
 
-import sys
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from ._compat import pl_saving_checkpoint_path
-from ._lightning import boundary, state
-from ._lightning.checkpoints import ModelCheckpointFiles
-from ._lightning.clip import ClipTakeover
-from ._lightning.loader import TrainerLoader
-from ._lightning.setup import LightningLoggerSink, check_unique_names, remove_wrappers, start, teardown_core
+from ._compat import pl_callbacks_being_validated, pl_saving_checkpoint_path
+from ._lightning.run import LightningRun, adopt_unclaimed
+from ._lightning.setup import LightningLoggerSink, check_unique_names
 from ._lightning.steps import StepWrappers
-from .adapter import HaltLatch, SchedulerHold, halt_raises
 from .config import GuardConfig
 from .errors import GradGuardHalt
 from .guard import GuardCore, StepReport
@@ -93,32 +89,43 @@ class _GradGuardMixin:
         self.out_dir = out_dir
         self.layer_fn = layer_fn
         self.log_to_loggers = log_to_loggers
-        self.core: GuardCore | None = None
-        self.scaler: Any = None
-        self.last_report: StepReport | None = None
-        self.reports: int = 0
-        self.batches: TrainerLoader | None = None
-        self.steps = StepWrappers(self)
-        self.clip_takeover = ClipTakeover()  # monitor mode: Lightning's norm clip replayed from the guard's pass
-        self.ckpt_files = ModelCheckpointFiles("")
-        self._halt = HaltLatch(halt_raises(config))
-        self._pending_state: dict[str, Any] | None = None
-        self._trainer: Any = None
-        self._manage_clip = False
-        self._hook_handles: list[Any] = []
-        self._in_opt_step = False
-        self._report: StepReport | None = None
-        self._held = SchedulerHold()
-        self._skip_left = 0
-        self._window_step = False
-        self._stepped = False
-        self.data_skipped_steps = 0
+        #: every piece of per-run state, and what each hook does (gradguard._lightning.run)
+        self.run = LightningRun(config, sinks=self.extra_sinks, out_dir=out_dir, layer_fn=layer_fn,
+                                log_to_loggers=log_to_loggers)
 
-    # -- names kept from earlier versions ------------------------------------------------------------
+    # -- what the run holds, read-only -------------------------------------------------------------
+    @property
+    def core(self) -> GuardCore | None:
+        return self.run.core
+
+    @property
+    def scaler(self) -> Any:
+        return self.run.scaler
+
+    @property
+    def last_report(self) -> StepReport | None:
+        return self.run.last_report
+
+    @property
+    def reports(self) -> int:
+        return self.run.reports
+
+    @property
+    def batches(self) -> Any:
+        return self.run.batches
+
+    @property
+    def steps(self) -> StepWrappers:
+        return self.run.steps
+
+    @property
+    def data_skipped_steps(self) -> int:
+        return self.run.data_skipped_steps
+
     @property
     def halted(self) -> dict[str, Any] | None:
         """The diagnosis of a halt (None while training runs normally)."""
-        return self._halt.diagnosis
+        return self.run.halt.diagnosis
 
     diagnosis = halted
 
@@ -128,40 +135,30 @@ class _GradGuardMixin:
 
     @property
     def oom_events(self) -> int:
-        return self.steps.oom.events if self.steps.oom is not None else 0
+        return self.run.steps.oom.events if self.run.steps.oom is not None else 0
 
-    @property
-    def _poisoned(self) -> bool:
-        return self.steps._poisoned
-
-    @_poisoned.setter
-    def _poisoned(self, value: bool) -> None:
-        self.steps._poisoned = value
-
-    # -- identity / checkpoint state (gradguard/_lightning/state.py) ---------------------------------
+    # -- identity / checkpoint state ------------------------------------------------------------------
     _gradguard_callback = True  # marks the guard callbacks (check_unique_names)
 
     @property
     def state_key(self) -> str:
-        caller = sys._getframe(1) if hasattr(sys, "_getframe") else None
-        if caller is not None and caller.f_code.co_name == "_validate_callbacks_list":
-            # Lightning's check of Trainer(callbacks=...): gradguard's own, clearer error first
-            check_unique_names(self, caller.f_locals.get("callbacks"))
+        # Lightning's check of Trainer(callbacks=...) reads state_key: gradguard's own, clearer error first
+        check_unique_names(self, self.name, pl_callbacks_being_validated())
         return self._generate_state_key(name=self.name)  # type: ignore[attr-defined]
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        check_unique_names(self, getattr(trainer, "callbacks", None))  # callbacks added after the Trainer's init
+        check_unique_names(self, self.name, getattr(trainer, "callbacks", None))  # callbacks added after the Trainer's init
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         """Adopt the one unclaimed guard entry of an older checkpoint; Lightning loads callback states
         right after this."""
-        state.adopt_unclaimed(self, trainer, checkpoint)
+        adopt_unclaimed(self.state_key, type(self).__qualname__, trainer, checkpoint)
 
     def state_dict(self) -> dict[str, Any]:
-        return state.adapter_state(self)
+        return self.run.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state.keep_pending(self, state_dict)  # applied in on_train_start: the optimizers do not exist yet
+        self.run.keep_pending(state_dict)  # applied in on_train_start: the optimizers do not exist yet
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickling (``torch.save(trainer)``, ``copy.deepcopy``) keeps the callback as constructed
@@ -170,76 +167,53 @@ class _GradGuardMixin:
         return {"init": {"config": self.config, "name": self.name, "sinks": self.extra_sinks,
                          "out_dir": self.out_dir, "layer_fn": self.layer_fn,
                          "log_to_loggers": self.log_to_loggers},
-                "state": self.state_dict() if (self.core is not None or self._pending_state) else None}
+                "state": self.state_dict() if (self.core is not None or self.run.pending_state) else None}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         _GradGuardMixin.__init__(self, **saved["init"])
         if saved.get("state") is not None:
             self.load_state_dict(saved["state"])
 
-    # -- lifecycle (gradguard/_lightning/setup.py) ------------------------------------------------------
+    # -- hooks -> the run ------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        start(self, trainer, pl_module)
-
-    def _teardown_core(self) -> None:
-        teardown_core(self)
+        self.run.start(trainer, pl_module, self.state_key)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.batches is not None:
-            self.batches.epoch_start()
+        if self.run.batches is not None:
+            self.run.batches.epoch_start()
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         # Lightning collects the callbacks' state_dict() before this hook: the file being written is
         # recorded in the trust tier now and this callback's entry of the checkpoint is written again,
         # so the checkpoint lists itself (a run resumed from it keeps it in its rollback tier, as the
         # run that wrote it does)
-        path = pl_saving_checkpoint_path(trainer)
-        if self.core is None or path is None:
-            self.ckpt_files.saved(trainer.global_step)  # paths known at the next batch (ModelCheckpoint's record)
+        if not self.run.checkpoint_saved(trainer, pl_saving_checkpoint_path(trainer)):
             return
-        self.core.checkpoint_saved(trainer.global_step, [path])
         entries = checkpoint.get("callbacks")
         if isinstance(entries, dict) and self.state_key in entries:
             entries[self.state_key] = self.state_dict()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.core is not None:
-            self.core.close()
-        remove_wrappers(self)
-        self._halt.finish()  # GradGuardHalt after the save, unless output.halt_raises is False
+        self.run.train_end()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        remove_wrappers(self)
-        if self.core is not None:
-            self.core.close()
+        self.run.exception()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
-            remove_wrappers(self)
-            self._held.release()
-            if self.core is not None:
-                self.core.close()
+            self.run.teardown()
 
-    # -- per step (gradguard/_lightning/boundary.py) ---------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.ckpt_files.resolve(trainer, self.core)
-        boundary.batch_start(self, trainer, pl_module, batch_idx)
+        self.run.batch_start(trainer, pl_module, batch_idx)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
-        self.steps.restore_stash()  # gradients of a micro-batch retried in pieces (after Lightning's zero_grad)
-        boundary.observe_loss(self, trainer, pl_module, loss)
+        self.run.observe_loss(trainer, pl_module, loss)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        boundary.before_optimizer_step(self, trainer, pl_module, optimizer)
+        self.run.before_optimizer_step(trainer, pl_module, optimizer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.steps._current = None
-        if self.core is None:
-            return
-        if self._stepped:  # an optimizer-step boundary (not accumulating, the guarded optimizer)
-            boundary.after_optimizer_step(self, trainer, pl_module)
-        if self.batches is not None:
-            self.batches.poll()
+        self.run.batch_end(trainer)
 
 
 def make_callback_class(pl: ModuleType) -> type:

@@ -293,7 +293,7 @@ def test_halt_stops_the_trainer_with_a_diagnosis(tmp_path):
     trainer = None
     with pytest.raises(gg.GradGuardHalt, match="gradguard halted") as exc:  # one halt rule in every engine
         fit(m, [cb], tmp_path=tmp_path, steps=20)
-    trainer = cb._trainer
+    trainer = cb.run.trainer
     assert exc.value.diagnosis == cb.diagnosis and cb.diagnosis_path is not None
     assert trainer.should_stop and trainer.global_step == 7
     assert torch.equal(m.params[6], m.params[7])  # the halting step was not applied

@@ -14,14 +14,15 @@ the Trainer's events):
 * ``state``: the guard's state is an ``ExportableState`` entry of ``trainer_state.json`` and a
   ``gradguard_state.json`` file in the checkpoint folder; ``train(resume_from_checkpoint=...)``
   restores it.
-* ``setup``: what a Trainer setup gradguard cannot guard, the clip rule, the event log's folder,
-  building the run; ``live``: the ``report_to`` integrations as live sinks, the Trainer's logs.
+* ``run``: :class:`HFRun`, one ``train()``'s state and what each event does with it (the callback in
+  ``gradguard.hf`` only calls it);
+* ``setup``: what a Trainer setup gradguard cannot guard, the event log's folder, building the core; ``live``: the ``report_to`` integrations as live sinks, the Trainer's logs.
 
 How the Trainer's events map onto the core:
 
 * ``on_train_begin``: validates the setup, builds the core on the Trainer's model, optimizer, LR
-  scheduler and GradScaler, and sets ``args.max_grad_norm = inf`` so the Trainer never clips by
-  itself. The Trainer's norm pass (``_clip_grad_norm``) is taken over for the run: it unscales
+  scheduler and GradScaler, and (:class:`gradguard.clip.HFClip`) sets ``args.max_grad_norm = inf``
+  so the Trainer never clips by itself. The Trainer's norm pass (``_clip_grad_norm``) is taken over for the run: it unscales
   (fp16) and runs ``core.before_step``, whose one fused pass gives the per-layer norms, the guard's
   clip, and the ``grad_norm`` value the Trainer logs (in monitor mode the Trainer's own
   ``max_grad_norm`` clip is replayed from the same norms, bit-identical to ``clip_grad_norm_``).

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .._compat import shadow_method, unshadow_method
-from ..deepspeed import DeepSpeedEngineHandle, build_config, run_engine_step
+from ..deepspeed import DeepSpeedEngineHandle, run_engine_step
 from ..guard import GuardCore, StepReport
 from .steps import output_loss
 
@@ -33,21 +33,11 @@ __all__ = ["DeepSpeedRun"]
 class DeepSpeedRun:
     """One ``train()`` of the callback over a DeepSpeed engine."""
 
-    def __init__(self, config: Any, engine: Any, lr_scheduler: Any, sinks: list[Any], out_dir: str | None,
-                 trainer_clip: float | None = None) -> None:
+    def __init__(self, config: Any, engine: Any, lr_scheduler: Any, sinks: list[Any], out_dir: str | None) -> None:
+        """``config``: the clip rule applied already (:class:`gradguard.clip.HFClip`, which reads the
+        engine's ``gradient_clipping`` where it is not the Trainer's ``max_grad_norm``)."""
         self.handle = DeepSpeedEngineHandle(engine)
         self.engine = engine
-        from .._compat import ds_clip
-
-        if trainer_clip is not None and float(ds_clip(engine) or 0.0) == float(trainer_clip):
-            # the engine's gradient_clipping is the Trainer's max_grad_norm ("auto"): the clip rule was
-            # already applied to it (gradguard._hf.setup.effective_config); applying it again would take
-            # the Trainer's default for a value the user set
-            from ..adapter import check_ladder
-
-            check_ladder(config)
-        else:
-            config = build_config(config, engine)
         self.core = GuardCore(engine.module, engine.optimizer, config=config, sinks=sinks, out_dir=out_dir,
                               scheduler=lr_scheduler, stepping=self.handle, engine="hf")
         self.handle.attach(self.core)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .._compat import hf_callback_list
 from ..logdir import is_url
 from ..sinks import (
     JSONLSink,
@@ -175,12 +174,11 @@ def add_to_logs(core: Any, state: Any, logs: dict[str, Any], window: list[float]
         hist[-1].update(head)
 
 
-def move_ahead_of_reporters(callback: Any) -> bool:
+def move_ahead_of_reporters(callback: Any, cbs: list[Any]) -> bool:
     """User callbacks run after the reporting integrations; metrics added to ``logs`` in ``on_log``
-    would miss them. Move ``callback`` right after ``DefaultFlowCallback`` (and keep the per-layer
-    keys off the printed line); False when its callback list is not found (on the call stack)."""
-    cbs = hf_callback_list(callback)
-    if cbs is None:
+    would miss them. Move ``callback`` right after ``DefaultFlowCallback`` in ``cbs`` (the Trainer's
+    callback list), and keep the per-layer keys off the printed line; False when it is not there."""
+    if callback not in cbs:
         return False
     from transformers.trainer_callback import DefaultFlowCallback
 

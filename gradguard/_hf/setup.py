@@ -3,15 +3,15 @@ folder, the callback's place in the Trainer's callback list; and the Trainer's l
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
 from typing import Any
 
-from .._compat import check_features, hf_callback_list, is_deepspeed_engine
+from .._compat import check_features, is_deepspeed_engine
 from ..act import unwrap_optimizer
-from ..adapter import SchedulerHold, check_ladder, engine_refusal, refuse_unsupported, resolve_clip
+from ..adapter import SchedulerHold, engine_refusal, refuse_unsupported
+from ..clip import check_ladder
 from ..config import GuardConfig
 from ..errors import ConfigError, warn
 from ..guard import GuardCore
@@ -22,40 +22,35 @@ from .loader import TrainerLoader
 from .norm import StepDecision
 from .steps import StepRunner
 
-__all__ = ["once_in_callbacks", "unsupported", "validate", "effective_config", "event_log_dir", "build", "log_entries", "tensorboard_dir"]
+__all__ = ["once_in_callbacks", "unsupported", "validate", "per_process_config", "event_log_dir", "build", "log_entries", "tensorboard_dir"]
 
 _UNSKIPPABLE_OPTIMS = ("lomo", "adalomo")  # update inside backward: no optimizer step to skip
-HF_DEFAULT_MAX_GRAD_NORM = 1.0  # TrainingArguments.max_grad_norm's default
-_CLIP_SETTING = "TrainingArguments.max_grad_norm"
 
 
 def validate(config: GuardConfig, args: Any, optimizer: Any, trainer: Any = None) -> bool:
     """Whether gradguard guards this setup (False: monitor mode on an unsupported one, standing aside);
-    a config or setup it refuses raises at ``on_train_begin`` (the clip rule: :func:`effective_config`,
+    a config or setup it refuses raises at ``on_train_begin`` (the clip rule: :class:`gradguard.clip.HFClip`,
     evaluated once, right after)."""
     check_ladder(config)
     return refuse_unsupported(config, unsupported(args, optimizer, trainer))
 
 
-def effective_config(config: GuardConfig, args: Any) -> tuple[GuardConfig, float | None]:
-    """The user's config with the clip rule applied (``gradguard.adapter.resolve_clip``, evaluated
-    once per run: its conflict error or warning comes from here), and the Trainer's clip to replay;
-    one event log per run (the main process writes it)."""
-    cfg, replay = resolve_clip(copy.deepcopy(config), args.max_grad_norm, engine_default=HF_DEFAULT_MAX_GRAD_NORM,
-                               setting=_CLIP_SETTING)
+def per_process_config(config: GuardConfig, args: Any) -> GuardConfig:
+    """The run's config (the clip rule applied: :class:`gradguard.clip.HFClip`) on this process: one
+    event log and console per run (the main process writes them)."""
     if getattr(args, "process_index", 0) != 0:
-        cfg.output = dataclasses.replace(cfg.output, jsonl=False, console=False)
-    return cfg, replay
+        config.output = dataclasses.replace(config.output, jsonl=False, console=False)
+    return config
 
 
-def event_log_dir(cfg: GuardConfig, out_dir: str | None, callback: Any, args: Any) -> str | None:
+def event_log_dir(cfg: GuardConfig, out_dir: str | None, callbacks: list[Any], args: Any) -> str | None:
     """The event log's folder on the main process: where the Trainer keeps its logs
     (:mod:`gradguard.logdir`); none found turns ``cfg.output.jsonl`` off."""
     if not cfg.output.jsonl:
         return None
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    found = choose_log_dir(out_dir or cfg.output.dir, [tensorboard_dir(hf_callback_list(callback), args)],
+    found = choose_log_dir(out_dir or cfg.output.dir, [tensorboard_dir(callbacks, args)],
                            engine="HF Trainer", how_to_name="GradGuardCallback(out_dir=...)",
                            checkpoint_dirs=[args.output_dir], checkpoint_prefix=PREFIX_CHECKPOINT_DIR)
     if found is None:

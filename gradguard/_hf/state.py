@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -17,8 +16,7 @@ from .checkpoints import find_resume_state, write_state_file
 from .loader import TrainerLoader
 from .steps import StepRunner
 
-__all__ = ["checkpoint_dir", "export_state", "saving_step", "ensure_state_entry", "resume", "saved",
-           "clip_on_save"]
+__all__ = ["checkpoint_dir", "export_state", "saving_step", "ensure_state_entry", "resume", "saved"]
 
 
 def checkpoint_dir(output_dir: str, step: int) -> str:
@@ -87,7 +85,6 @@ def saved(core: GuardCore, args: Any, step: int, export: Callable[[], dict[str, 
           diagnosis: dict[str, Any] | None) -> None:
     """``on_save``: the checkpoint joins the rollback tier (on every process); the main process writes
     ``gradguard_state.json`` (and ``diagnosis.json`` after a halt) into the folder."""
-    args.max_grad_norm = math.inf
     ckpt = checkpoint_dir(args.output_dir, step)
     core.checkpoint_saved(step, [ckpt])
     if not getattr(args, "should_save", True):
@@ -100,8 +97,3 @@ def saved(core: GuardCore, args: Any, step: int, export: Callable[[], dict[str, 
                  "from this checkpoint starts with a fresh guard state)", category=RuntimeWarning)
         if diagnosis is not None:
             core.write_diagnosis(diagnosis, ckpt)
-
-
-def clip_on_save(max_grad_norm: float | None) -> float:
-    """What checkpoints record as ``TrainingArguments.max_grad_norm``: the clip in force (0 when none)."""
-    return 0.0 if max_grad_norm is None else float(max_grad_norm)

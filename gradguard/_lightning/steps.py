@@ -32,42 +32,52 @@ def _loss_of(output: Any) -> torch.Tensor | None:
 
 
 class StepWrappers:
-    """Owns the wrappers and the out-of-memory state of one Lightning run; reads the callback's
-    core, scaler, batch controller and data-window flag."""
+    """Owns the wrappers and the out-of-memory state of one Lightning run; reads the run's
+    (:class:`gradguard._lightning.run.LightningRun`) trainer, core, scaler, batch controller and
+    data-window flag."""
 
-    def __init__(self, cb: Any) -> None:
-        self.cb = cb
+    def __init__(self, run: Any) -> None:
+        self.run = run
         self._wrapped: list[tuple[Any, str, Any, Any]] = []  # (object, attribute, wrapper, previous)
         self._current: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # training_step's arguments
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._orig_training_step: Any = None
-        self._poisoned = False  # an out-of-memory error left this step's gradients unusable
+        self.poisoned = False  # an out-of-memory error left this step's gradients unusable
         self.oom: OomRecovery | None = None  # the core's rule, bound in install()
         self.ranks: EveryRank | None = None  # recovery.oom_all_ranks under DDP
 
     @property
     def _trainer(self) -> Any:
-        return self.cb._trainer
+        return self.run.trainer
 
     @property
     def core(self) -> Any:
-        return self.cb.core
+        return self.run.core
 
     @property
     def config(self) -> Any:
-        return self.cb.config
+        return self.run.config
 
     @property
     def scaler(self) -> Any:
-        return self.cb.scaler
+        return self.run.scaler
 
     @property
     def batches(self) -> Any:
-        return self.cb.batches
+        return self.run.batches
 
     @property
     def _window_step(self) -> bool:
-        return bool(self.cb._window_step)
+        return bool(self.run.window_step)
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether any wrapper is installed."""
+        return bool(self._wrapped)
+
+    def end_batch(self) -> None:
+        """The batch is over: its ``training_step`` arguments are dropped."""
+        self._current = None
 
     def install(self, trainer: Any, pl_module: Any) -> None:
         self.remove()
@@ -124,7 +134,7 @@ class StepWrappers:
         if self.ranks is not None:
             samples = batch_len(self._current[0][0]) if self._current and self._current[0] else 0
             if self.ranks.close_step(self._trainable(self._trainer.lightning_module), samples):
-                self._poisoned = True
+                self.poisoned = True
 
     def _wrap(self, obj: Any, attr: str, wrapper: Any) -> None:
         self._wrapped.append((obj, attr, wrapper, shadow_method(obj, attr, wrapper)))
@@ -146,7 +156,7 @@ class StepWrappers:
         trainer = self._trainer
         pl_module = trainer.lightning_module
         self._current = (args, kwargs)
-        if pl_module.automatic_optimization and (self._window_step or self._poisoned):
+        if pl_module.automatic_optimization and (self._window_step or self.poisoned):
             if trainer.world_size > 1:
                 # Lightning refuses None under DDP: a zero loss that touches every parameter keeps the
                 # gradient all-reduce of every rank in step (no model forward runs)
@@ -213,14 +223,14 @@ class StepWrappers:
             out = self.ranks.retry(lambda n: self._run_pieces(orig, args, kwargs, n, acc, ctx), samples=samples,
                                    message=message, touched=not in_forward, keep_earlier=not first, where=where)
             if out is SKIPPED:  # the rest of the window runs no forward (a zero loss keeps DDP in step)
-                self._poisoned = True
+                self.poisoned = True
                 return zero_touching(params, pl_module.device) if in_forward else True
         else:
             out = self.oom.recover(lambda parts: self._run_pieces(orig, args, kwargs, parts, acc, ctx),
                                    samples=samples, message=message, touched=not in_forward,
                                    earlier_grads=not first, where=where)
         if out is SKIPPED:
-            self._poisoned = True  # the rest of the window is not computed; the step is skipped
+            self.poisoned = True  # the rest of the window is not computed; the step is skipped
             return None
         if not in_forward:
             return True
@@ -273,5 +283,3 @@ class StepWrappers:
         stash, self._stash = self._stash, None
         for p, g in stash or []:
             p.grad = g if p.grad is None else p.grad + g
-
-    # -- per step --------------------------------------------------------------------------
