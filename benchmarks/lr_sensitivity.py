@@ -137,7 +137,8 @@ def _arc_callback() -> Any:
     return HuggingFaceCallback()
 
 
-def run(arm: str, lr: float, seed: int, steps: int = STEPS) -> dict[str, Any]:
+def run(arm: str, lr: float, seed: int, steps: int = STEPS, keep: str | None = None) -> dict[str, Any]:
+    """One run; ``keep``: a folder for gradguard's event log (default: a temporary one)."""
     from transformers import Trainer, TrainingArguments
 
     torch.manual_seed(seed)
@@ -150,7 +151,7 @@ def run(arm: str, lr: float, seed: int, steps: int = STEPS) -> dict[str, Any]:
         from gradguard import GuardConfig
         from gradguard.hf import GradGuardCallback
 
-        callbacks.append(GradGuardCallback(GuardConfig(output={"console": False}), out_dir=tmp.name))
+        callbacks.append(GradGuardCallback(GuardConfig(output={"console": False}), out_dir=keep or tmp.name))
     elif arm == "zclip":
         callbacks.append(_zclip_callback(model))
     elif arm == "arc":

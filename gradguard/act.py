@@ -315,6 +315,12 @@ class LRMultiplier:
         self._saved_lrs = None
         self._saved_params = None
 
+    def scheduled_lrs(self) -> list[float]:
+        """The scheduler's LRs, without the multipliers (also while a step is in progress)."""
+        if self._saved_lrs is not None:
+            return list(self._saved_lrs)
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
     # -- policy moves ----------------------------------------------------------------------
     def effective_lrs(self) -> list[float]:
         return [float(g["lr"]) * self.current() for g in self.optimizer.param_groups]

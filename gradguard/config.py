@@ -274,7 +274,9 @@ class LRConfig:
     _path = "GuardConfig.lr"
 
     down_factor: float = 0.3
-    """Each 'lower_lr' action multiplies the global LR multiplier (the level that failed) by this."""
+    """Each 'lower_lr' action multiplies the global LR multiplier (the level that failed) by this.
+    The level that failed is read against the schedule's peak: during a rising warm-up at 30% of
+    ``initial_lr`` it is 0.3 x the multiplier, so the ramp cannot climb back to the LR that failed."""
 
     early_down_factor: float = 0.03
     """'lower_lr' factor for an instability before the run learned anything (in the first

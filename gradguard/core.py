@@ -173,6 +173,8 @@ class GuardCore(EngineAPI):
         #: the full row of the latest step the engine logs itself (see ``after_step(engine_logs=True)``)
         self.pending_row: dict[str, float] | None = None
         self._failed_mult = 1.0  # LR multiplier level at which the current step's instability happened
+        self._sched_pos: float | None = None  # the previous step's schedule position (see _ramp_position)
+        self._sched_rising = False  # it rose at its last move (a held scheduler keeps the direction)
         self._early_now = False
         self._last: StepReport | None = None
         self.reporter.start(list(self.layers.layer_names), optimizer_info(self.optimizer), engine)
@@ -309,7 +311,8 @@ class GuardCore(EngineAPI):
         ckpt_healthy, ckpt_bad = step_verdict(findings, sig.loss, unstable=decision.unstable, suspect=suspect)
         self.rollback.observe(sig.step, ring_healthy=healthy and not decision.skip, ckpt_healthy=ckpt_healthy,
                               ckpt_bad=ckpt_bad)
-        self._failed_mult = self.lr.level()  # the level this step's instability happened at
+        # the level this step's instability happened at, in terms of the schedule's peak
+        self._failed_mult = self.lr.level() * self._ramp_position()
         # a takeover since the first steps (the body never learned): the LR is grossly too high, as
         # with a blow-up before the run learned anything, so the LR gets the same deep cut
         warm = self.config.detect.warmup_steps
@@ -318,6 +321,22 @@ class GuardCore(EngineAPI):
         # judged now, before a rollback restores earlier detector states
         self._early_now = from_start or (self.applied_steps < warm and not self.detectors.loss.progressed())
         decision.suspect = suspect
+
+    def _ramp_position(self) -> float:
+        """Where a rising warm-up stands: the scheduler's LR over its peak (``initial_lr``) while it is
+        below 1 and rose at its last move (a scheduler held on skipped steps keeps still), else 1. The multiplier scales the whole
+        schedule, so an instability at 30% of a warm-up failed at 0.3 of the peak: a cut from the
+        multiplier alone would take the ramp back up to the very LR that failed. In a decay, a flat
+        schedule, or one whose base is not its peak, the position is 1 and nothing changes."""
+        g = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
+        base, now = g.get("initial_lr"), (self.lr.scheduled_lrs() or [None])[0]
+        if not isinstance(base, (int, float)) or not isinstance(now, (int, float)) or base <= 0:
+            return 1.0
+        pos, prev = float(now) / float(base), self._sched_pos
+        if prev is not None and pos != prev:
+            self._sched_rising = pos > prev
+        self._sched_pos = pos
+        return pos if self._sched_rising and 0 < pos < 1 else 1.0
 
     def _early(self) -> bool:
         """The instability came before the run learned anything: a blow-up in the first steps of a

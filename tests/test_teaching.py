@@ -266,3 +266,31 @@ def test_the_html_report_is_not_written_through_a_planted_link(tmp_path):
     out.symlink_to(target)
     write_report(str(tmp_path), str(out))
     assert target.read_text() == "keep me" and not out.is_symlink() and "plotly" in out.read_text()
+
+
+def test_an_instability_during_warm_up_cuts_from_the_lr_that_failed_not_from_the_peak():
+    """The multiplier scales the whole schedule: a blow-up at half of a warm-up failed at half the
+    peak LR, so the cut is down_factor x 0.5 (a cut of the multiplier alone would let the ramp climb
+    back to the LR that failed); after the peak nothing changes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 40))
+    guard = gg.Guard(model, opt, scheduler=sched, config=gg.GuardConfig(output={"console": False}))
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    scheduled, cut = {}, None
+    for step in range(1, 31):
+        scheduled[step] = opt.param_groups[0]["lr"] / 0.01
+        loss = torch.nn.functional.mse_loss(model(x), y) * (1000.0 if step in (18, 19) else 1.0)
+        loss.backward()
+        rep = guard.step(loss)
+        opt.zero_grad(set_to_none=True)
+        for a in rep.actions:
+            if a.name == "lower_lr":
+                cut = (step, a.params)
+    guard.close()
+    assert cut is not None, "the repeated spike in the warm-up was not escalated"
+    step, params = cut
+    pos = scheduled[step]
+    assert 0.3 < pos < 0.6 and not params["early"]
+    assert params["from"] == pytest.approx(pos) and params["to"] == pytest.approx(0.3 * pos)
