@@ -44,6 +44,7 @@ from gradguard.testing import (
     NaNLoss,
     OutOfMemory,
     OverflowStreak,
+    SinkFault,
     SnapshotIOFault,
 )
 
@@ -128,6 +129,9 @@ CELLS = [
     Cell("snapshots_deleted_then_nan", lambda: [SnapshotIOFault(at_step=10, mode="delete"),
                                                 NaNLoss(at_step=11, steps=4)], "io_fault",
          _rollback_unavailable_or_restored),
+    # round three (issue 28): a sink that raises (a finished W&B run) is absorbed: training goes on
+    Cell("sink_raises", lambda: [SinkFault(at_step=10)], "sink_fault",
+         lambda ev: any(e.get("type") == "sink_error" and e.get("sink") == "FailingSink" for e in ev)),
 ]
 
 
@@ -165,8 +169,8 @@ class SnapshotProbe(Injector):
 def _injectors(cell: Cell, guarded: bool, probe: SnapshotProbe | None):
     def make(model, opt, guard):
         injs = cell.injectors()
-        if not guarded:  # no guard: faults of gradguard's own files do not apply
-            injs = [i for i in injs if not isinstance(i, SnapshotIOFault)]
+        if not guarded:  # no guard: faults of gradguard's own files and sinks do not apply
+            injs = [i for i in injs if not isinstance(i, (SnapshotIOFault, SinkFault))]
         if probe is not None:
             injs.append(probe)
         return [i.attach(model, opt, guard=guard) for i in injs]
