@@ -20,6 +20,7 @@ back), :class:`gradguard.reporting.Reporter` (sinks, events, metrics, alerts, di
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,6 +154,8 @@ class GuardCore(EngineAPI):
                                  collective=self.collective, detectors=self.detectors, lr=self.lr, clip=self.clip,
                                  emit=self.reporter.emit,
                                  extra_state=stepping.snapshot_state() if stepping is not None else None)
+        # the engine checkpoints' fingerprints go into gradguard's run folder, beside the event log
+        self.rollback.checkpoint_tier.ledger_dir = self._run_folder
         self.actuators = Actuators(stepping.unavailable if stepping is not None else None)
         OptimizerActuators(config, lr=self.lr, clip=self.clip, adam=self.adam, layers=self.layers,
                            early=self._early, failed_at=self._failed_at, culprits=self._culprits).register(self.actuators)
@@ -582,6 +585,11 @@ class GuardCore(EngineAPI):
         self.rollback.load_state_dict(state)
         if self.batches is not None:
             self.batches.healthy = int(state.get("grow_healthy", 0))
+
+    def _run_folder(self) -> str | None:
+        """gradguard's own folder of this run on this process (the event log's), None without one."""
+        path = self.reporter.log_path
+        return None if not path or "://" in path else os.path.dirname(os.path.abspath(path))
 
     def start_at(self, step: int) -> None:
         """A fresh guard joining a run after update ``step`` (resumed without a saved guard state):

@@ -10,11 +10,20 @@
 
 Only this run's checkpoints are trusted: a checkpoint is rolled back to only when its path lies inside
 the run's own checkpoint folder(s) (``source.roots``: the Trainer's ``output_dir``, the
-``ModelCheckpoint`` folders; symlinks resolved; a file elsewhere is never read), and, once
-fingerprinted (the sizes and modification times of its files with a random id of this process, taken
-at the first step after the save and kept in memory, so identical runs save identical states), only
-while its files still match. A run forked by copying its folder, or a tampered guard state naming another
-path, does not roll back into someone else's files (a ``snapshot_fallback`` event says why).
+``ModelCheckpoint`` folders; symlinks resolved; a file elsewhere is never read), and only while its
+files match their fingerprint (the names, sizes and modification times of its files, no file read).
+The fingerprint is taken once the checkpoint is complete (the first step after the save, or the
+run's end) and written, with the id of the run, into gradguard's own file :data:`LEDGER` in its run
+folder (beside the event log; never into the engine's checkpoint or its checkpoint folders: identical
+runs save identical states, and a checkpoint folder holds checkpoints only).
+A resumed run checks every checkpoint its saved guard state lists against that file before the
+first rollback can use it: a checkpoint changed since its save, without a fingerprint, or
+fingerprinted by another run (a later run reusing the folder) is not trusted (a warning and a
+``checkpoint_untrusted`` event; the rollback falls back to the next source). The checkpoint the run
+resumed from is vouched for by the resume itself (fingerprinted then if its writer died before it
+could). Remote checkpoints (URLs) have no fingerprint: their location is the only check. A run
+forked by copying its folder, or a tampered guard state naming another path, does not roll back
+into someone else's files (a ``snapshot_fallback`` event says why).
 
 The trust rule (every engine, and the in-memory snapshot ring): a checkpoint written after step
 ``s`` becomes trusted once ``recovery.confirm_steps`` healthy steps have followed it; an unstable
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import math
 import os
 import secrets
@@ -34,11 +44,12 @@ from typing import Any
 
 import torch
 
+from . import _io
 from .contract import CheckpointSource, Collective
 from .policy import INSTABILITY_KINDS
 from .snapshot import load_optimizer_keeping_settings  # the one optimizer restore, beside copy_state
 
-__all__ = ["CheckpointTier", "checkpoint_fingerprint", "BAD_KINDS", "step_verdict", "rollback_from_checkpoints", "restore_training_state",
+__all__ = ["CheckpointTier", "checkpoint_fingerprint", "LEDGER", "read_ledger", "BAD_KINDS", "step_verdict", "rollback_from_checkpoints", "restore_training_state",
            "load_optimizer_keeping_settings", "safe_load", "UnsafeCheckpoint"]
 
 #: findings that make a checkpoint written just before them unusable for a rollback
@@ -61,12 +72,38 @@ _UNFINGERPRINTED = frozenset({"gradguard_state.json", "trainer_state.json"})
 _MAX_FILES = 10_000
 
 
+#: gradguard's own file of engine-checkpoint fingerprints, in its run folder (beside the event log):
+#: ``{"version": 1, "checkpoints": {absolute path: {"step", "fingerprint", "run"}}}``.
+LEDGER = "checkpoint_fingerprints.json"
+
+
+def ledger_key(path: str) -> str:
+    return os.path.abspath(path)
+
+
+def read_ledger(ledger: str) -> dict[str, dict[str, Any]]:
+    """The records of a :data:`LEDGER` file (``{}`` when missing, a symlink, unreadable or malformed:
+    then no checkpoint of that folder has a fingerprint)."""
+    try:
+        _io.check_read(ledger)
+        fd = os.open(ledger, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, encoding="utf-8") as fh:
+            book = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    records = book.get("checkpoints") if isinstance(book, dict) else None
+    if not isinstance(records, dict):
+        return {}
+    return {k: v for k, v in records.items() if isinstance(k, str) and isinstance(v, dict)
+            and isinstance(v.get("fingerprint"), str) and isinstance(v.get("step"), int)}
+
+
 def _is_url(path: str) -> bool:
     return "://" in path
 
 
-def checkpoint_fingerprint(path: str, run_id: str) -> str | None:
-    """sha256 of the run id and the (relative name, size, mtime) of the checkpoint's files (a folder:
+def checkpoint_fingerprint(path: str, key: str = "") -> str | None:
+    """sha256 of ``key`` and the (relative name, size, mtime) of the checkpoint's files (a folder:
     every file under it but :data:`_UNFINGERPRINTED` and temp files), None when it cannot be taken
     (missing, a URL). Cheap: no file is read."""
     if not path or _is_url(path):
@@ -89,7 +126,7 @@ def checkpoint_fingerprint(path: str, run_id: str) -> str | None:
             items.append((os.path.basename(path), st.st_size, st.st_mtime_ns))
     except OSError:
         return None
-    h = hashlib.sha256(run_id.encode())
+    h = hashlib.sha256(key.encode())
     for name, size, mtime in items:
         h.update(f"{name}\0{size}\0{mtime};".encode())
     return h.hexdigest()
@@ -115,10 +152,20 @@ class CheckpointTier:
     def __init__(self, confirm_steps: int) -> None:
         self.confirm_steps = max(1, int(confirm_steps))
         self.entries: list[dict[str, Any]] = []  # {"step", "path", "healthy", "tested", "bad"}
-        self.run_id = secrets.token_hex(8)  # this process's run
-        #: "<step>:<path>" -> the checkpoint's fingerprint, taken at the first step after its save (kept
-        #: in this process only: a saved guard state stays the same for identical runs)
+        #: this run's id in the fingerprint files (a resumed run continues the id of the run it resumed)
+        self.run_id = secrets.token_hex(8)
+        #: "<step>:<path>" -> the checkpoint's fingerprint, taken once its files are complete and written
+        #: to its folder's :data:`LEDGER` (never into the guard state: identical runs save identical states)
         self.fingerprints: dict[str, str | None] = {}
+        #: entries loaded from a saved guard state, checked against their fingerprint files at the next step
+        self.claimed = False
+        #: the run's checkpoint folders (set by the rollback from its checkpoint source)
+        self.roots: Callable[[], list[str] | None] = lambda: None
+        #: gradguard's run folder that holds the :data:`LEDGER` (None: none on this process, fingerprints
+        #: are then kept in memory only and a resumed run trusts only the checkpoint it resumed from)
+        self.ledger_dir: Callable[[], str | None] = lambda: None
+        #: events for the owner to emit (untrusted checkpoints, fingerprint files that could not be written)
+        self.events: list[dict[str, Any]] = []
 
     def saved(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> None:
         """The engine wrote a checkpoint after update ``step`` (one entry per file; a re-used name
@@ -141,11 +188,11 @@ class CheckpointTier:
 
     def observe(self, step: int, healthy: bool, bad: bool) -> None:
         """One step's verdict (see :func:`step_verdict`). A checkpoint saved before this step is
-        fingerprinted now (its files are complete), once."""
-        for e in self.entries:
-            key = f"{e['step']}:{e['path']}"
-            if step > e["step"] and key not in self.fingerprints:
-                self.fingerprints[key] = checkpoint_fingerprint(str(e["path"]), self.run_id)
+        fingerprinted now (its files are complete), once; entries loaded from a saved state are
+        checked first (:meth:`verify_claimed`)."""
+        if self.claimed:
+            self.verify_claimed(step - 1)
+        self.fingerprint_saved(before=step)
         for e in self.entries:
             if e["tested"] or e["bad"] or step <= e["step"]:
                 continue
@@ -154,6 +201,97 @@ class CheckpointTier:
             elif healthy:
                 e["healthy"] += 1
                 e["tested"] = e["healthy"] >= self.confirm_steps
+
+    def fingerprint_saved(self, before: int | None = None) -> None:
+        """Fingerprint the checkpoints saved before step ``before`` (None: all, the run's end) that
+        have none yet, and write each into its folder's :data:`LEDGER`."""
+        for e in self.entries:
+            key = f"{e['step']}:{e['path']}"
+            if (before is None or before > e["step"]) and key not in self.fingerprints:
+                fp = self.fingerprints[key] = checkpoint_fingerprint(str(e["path"]))
+                if fp:
+                    self._record(e, fp)
+
+    def ledger(self) -> str | None:
+        """The :data:`LEDGER` file of this run (None: no local run folder on this process)."""
+        folder = self.ledger_dir()
+        return None if not folder or _is_url(folder) else os.path.join(folder, LEDGER)
+
+    def _record(self, entry: dict[str, Any], fp: str) -> None:
+        """Write ``entry``'s fingerprint into the run's :data:`LEDGER` (atomically, no link followed;
+        records of checkpoints gone are dropped). An I/O error is an event, never raised."""
+        path, ledger = str(entry["path"]), self.ledger()
+        if ledger is None:
+            return
+        record = {"step": int(entry["step"]), "fingerprint": fp, "run": self.run_id}
+        try:
+            book = read_ledger(ledger)
+            if book.get(ledger_key(path)) == record:
+                return
+            book[ledger_key(path)] = record
+            book = {k: v for k, v in book.items() if os.path.exists(k)}
+            os.makedirs(os.path.dirname(ledger), exist_ok=True)
+            _io.atomic_write(ledger, json.dumps({"version": 1, "checkpoints": book}, indent=1, sort_keys=True))
+        except OSError as exc:
+            self.events.append({"type": "checkpoint_fingerprint_error", "path": path, "error": str(exc),
+                                "message": f"gradguard: could not write the fingerprint of {path} into {ledger} ({exc}); "
+                                           "a run resumed later will not trust this checkpoint for a rollback"})
+
+    def verify_claimed(self, resume_step: int) -> None:
+        """Check the entries a saved guard state listed (a resumed run) against the run's :data:`LEDGER`,
+        once. The checkpoint the run resumed from (saved at ``resume_step``) is vouched for by
+        the resume and fingerprinted now if it has no record; any other one without a record, with
+        files that changed since, or recorded by another run is forgotten (a ``checkpoint_untrusted``
+        event). Checkpoints gone, remote (URLs), outside the run's folders (refused at the rollback)
+        or without a path are left as they are."""
+        self.claimed = False
+        roots, ledger = self.roots(), self.ledger()
+        book = read_ledger(ledger) if ledger is not None else {}
+        checked: list[tuple[dict[str, Any], str | None, dict[str, Any] | None]] = []
+        for e in self.entries:
+            path = str(e.get("path") or "")
+            if not path or _is_url(path) or self.outside(e, roots):
+                continue
+            current = checkpoint_fingerprint(path)
+            if current is None:
+                continue  # gone (rotated away): a rollback cannot read it anyway
+            record = book.get(ledger_key(path))
+            checked.append((e, current, record))
+        # the run continues the id of the run that wrote the checkpoint it resumed from (else of the newest
+        # other record that matches its files)
+        lineage = None
+        for _e, current, record in sorted(checked, key=lambda c: (c[0]["step"] == resume_step, c[0]["step"]), reverse=True):
+            if record is not None and record["fingerprint"] == current and isinstance(record.get("run"), str):
+                lineage = record["run"]
+                break
+        if lineage is not None:
+            self.run_id = lineage
+        for e, current, record in checked:
+            key, path = f"{e['step']}:{e['path']}", str(e["path"])
+            if e["step"] == resume_step:  # the checkpoint the run resumed from
+                self.fingerprints[key] = current
+                if record is None or record["fingerprint"] != current:
+                    self._record(e, str(current))
+                continue
+            if record is None:
+                why = (f"{path} has no fingerprint in {ledger} (not saved by this run, or its record was lost)"
+                       if ledger is not None else f"{path} has no fingerprint (this process has no gradguard run "
+                                                  "folder to keep one in: name one with output.dir)")
+            elif record["fingerprint"] != current or record["step"] != e["step"]:
+                why = f"{path} changed since it was saved (its files' sizes or times differ from its fingerprint)"
+            elif record.get("run") != self.run_id:
+                why = f"{path} was fingerprinted by another run ({record.get('run')!r}, this run {self.run_id!r})"
+            else:
+                self.fingerprints[key] = current
+                continue
+            self.forget(e)
+            self.events.append({"type": "checkpoint_untrusted", "wanted": e["step"], "path": path, "reason": why,
+                                "message": f"gradguard: {why}: not trusted for a rollback; the rollback uses the "
+                                           "next checkpoint or snapshot"})
+
+    def take_events(self) -> list[dict[str, Any]]:
+        out, self.events = self.events, []
+        return out
 
     def candidates(self) -> list[dict[str, Any]]:
         """Trusted entries, newest first."""
@@ -179,10 +317,10 @@ class CheckpointTier:
         return ""
 
     def changed(self, entry: dict[str, Any]) -> str:
-        """Why ``entry``'s files are not the ones saved ('' when they are, or were never fingerprinted)."""
+        """Why ``entry``'s files are not the ones saved ('' when they are, or could not be fingerprinted)."""
         path = str(entry.get("path") or "")
         fp = self.fingerprints.get(f"{entry['step']}:{path}")
-        if fp and checkpoint_fingerprint(path, self.run_id) != fp:
+        if fp and checkpoint_fingerprint(path) != fp:
             return f"{path} changed since it was saved (its files' sizes or times differ): not trusted"
         return ""
 
@@ -192,11 +330,13 @@ class CheckpointTier:
 
     def load_state_dict(self, state: list[dict[str, Any]] | None) -> None:
         self.entries = []
+        self.fingerprints = {}
         for e in state or []:
             e = dict(e)
             e.setdefault("path", "")
             e.setdefault("healthy", 1 if e.get("tested") else 0)
             self.entries.append(e)
+        self.claimed = bool(self.entries)
 
 
 class UnsafeCheckpoint(Exception):
@@ -264,11 +404,11 @@ def rollback_from_checkpoints(tier: CheckpointTier, source: CheckpointSource, co
         path = entry["path"]
         payload, problem = None, ""
         try:
-            why = tier.outside(entry, roots)  # never read another run's files
+            why = tier.untrusted(entry, roots)  # never read another run's files, nor files changed since the save
             if why:
                 raise PermissionError(why)
             payload = source.read(path, int(entry["step"]))  # weights_only=True: reading is safe
-            why = tier.changed(entry)  # rewritten since it was saved: not restored
+            why = tier.changed(entry)  # rewritten while it was read: not restored
             if why:
                 payload = None
                 raise PermissionError(why)

@@ -26,6 +26,7 @@ from .act import ClipController, LRMultiplier
 from .config import GuardConfig
 from .contract import CheckpointSource, Collective, DataSkip
 from .detect import Detectors
+from .errors import warn
 from .policy import Action
 from .recovery import CheckpointTier, rollback_from_checkpoints
 from .snapshot import SnapshotRing, SnapshotUnavailable
@@ -88,6 +89,15 @@ class Rollback:
         if self.snapshots is not None:
             self.snapshots.observe(step, ring_healthy)
         self.checkpoint_tier.observe(step, ckpt_healthy, ckpt_bad)
+        self._tier_events(step)
+
+    def _tier_events(self, step: int | None) -> None:
+        """The checkpoint tier's news (a checkpoint not trusted after a resume, a fingerprint file that
+        could not be written): a warning and an event each."""
+        for ev in self.checkpoint_tier.take_events():
+            message = ev.pop("message")
+            warn(message, category=RuntimeWarning)
+            self.emit({**ev, "step": step})
 
     def hold(self, a: Action) -> None:
         """Before a rollback for a spike: put the current state aside when every update in it
@@ -138,6 +148,7 @@ class Rollback:
         if sharded:
             return False
         self.checkpoint_source = source
+        self.checkpoint_tier.roots = lambda: getattr(source, "roots", None)
         return True
 
     def checkpoint_saved(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> None:
@@ -185,6 +196,9 @@ class Rollback:
             return {"to_step": snap.step, "confirmed": snap.confirmed, "steps_lost": a.step - 1 - snap.step}
         out = None
         if self.checkpoint_source is not None:
+            if self.checkpoint_tier.claimed:  # a rollback at the first step after a resume
+                self.checkpoint_tier.verify_claimed(a.step - 1)
+                self._tier_events(a.step)
             out = rollback_from_checkpoints(self.checkpoint_tier, self.checkpoint_source, self.collective, self.emit,
                                             a.step, detectors=self.detectors)
         if not out:
@@ -263,5 +277,8 @@ class Rollback:
             self.checkpoint_tier.load_state_dict(state["checkpoints"])
 
     def close(self) -> None:
+        # the last checkpoints' files are complete now: their fingerprints are written for a later resume
+        self.checkpoint_tier.fingerprint_saved()
+        self._tier_events(None)
         if self.snapshots is not None:
             self.snapshots.close()  # this run's snapshot files are of no use after it

@@ -22,6 +22,8 @@ Injectors:
   real ``GradScaler``: the scaler sees the overflow and halves its scale).
 * :class:`SnapshotIOFault` -- the snapshot folder (or the event log) fails with ``ENOSPC`` /
   ``EROFS``, or its files are deleted.
+* :class:`SinkFault` -- a metrics sink that raises on every call (a W&B run finished by user code,
+  a TensorBoard folder replaced by a file).
 
 **Which step.** With ``guard=`` (a ``Guard``, a ``GuardCore`` or an engine callback with a
 ``.core``) the step is the guard's (``report.step`` in the log); without one, training forward
@@ -43,7 +45,7 @@ from . import _io
 from .errors import ConfigError, ConfigTypeError
 
 __all__ = ["Injector", "NaNLoss", "GradFault", "LRSpike", "CorruptBatch", "OutOfMemory", "OverflowStreak",
-           "SnapshotIOFault", "INJECTORS"]
+           "SnapshotIOFault", "SinkFault", "INJECTORS"]
 
 
 def _core(guard: Any) -> Any:
@@ -428,8 +430,53 @@ class SnapshotIOFault(Injector):
             self._fault = None
 
 
+class SinkFault(Injector):
+    """A sink of the guard fails from ``at_step`` on: every call raises (``error``), as a W&B sink
+    does once user code called ``wandb.finish()``, or a TensorBoard writer whose folder became a
+    file. The failing sink is added to the guard's sinks (the others keep working). Needs ``guard=``."""
+
+    name = "sink_fault"
+
+    def __init__(self, *, at_step: int, steps: int | None = None,
+                 error: str = "You must call wandb.init() before wandb.log()") -> None:
+        super().__init__(at_step=at_step, steps=steps)
+        self.error = error
+        self._sink: Any = None
+
+    def _install(self) -> None:
+        assert self.model is not None
+        if self.guard is None:
+            raise ConfigError("SinkFault.attach: guard=None. Fix: attach(model, guard=guard)")
+        self._handles.append(self.model.register_forward_pre_hook(self._tick))
+
+    def _tick(self, module: nn.Module, args: Any) -> None:
+        core = _core(self.guard)
+        if not module.training or core is None or not hasattr(core, "add_live_sinks"):
+            return
+        if self._sink is None:
+            from .sinks import Sink
+
+            fault = self
+
+            class FailingSink(Sink):
+                def _check(self) -> None:
+                    if fault.model is not None and fault.active():
+                        fault._fire(error=fault.error)
+                        raise RuntimeError(f"{fault.error} (injected by gradguard.testing)")
+
+                def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+                    self._check()
+
+                def log_event(self, event: dict[str, Any]) -> None:
+                    if event.get("type") != "fault_injected":
+                        self._check()
+
+            self._sink = FailingSink()
+            core.add_live_sinks([self._sink])
+
+
 #: Every injector class, by name (for parametrized rehearsals).
 INJECTORS: dict[str, type[Injector]] = {
     cls.name: cls for cls in (NaNLoss, GradFault, LRSpike, CorruptBatch, OutOfMemory, OverflowStreak,
-                              SnapshotIOFault)
+                              SnapshotIOFault, SinkFault)
 }

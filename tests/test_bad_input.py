@@ -71,6 +71,9 @@ BAD_STATES = [
     ("detector-type", _garble(["detectors", "loss", "healthy"], "many"), "detectors.loss.healthy='many'", "'many'"),
     ("policy-type", _garble(["policy"], "x"), "policy='x'", "'x'"),
     ("config-type", _garble(["config"], "x"), "config='x'", "'x'"),
+    # round three (issue 28): values checked for range, not only type
+    ("lr-out-of-range", _garble(["lr", "global_mult"], 1e6), "lr.global_mult=1000000.0", "must be in (0, 1]"),
+    ("step-count-out-of-range", _garble(["step_count"], 10 ** 30), "step_count=" + str(10 ** 30), "must be an int"),
     # passes the type checks but cannot be applied: rolled back as a whole
     ("detector-garbled", _garble(["detectors"], {"loss": {}}), "could not be applied", "KeyError"),
 ]
@@ -319,6 +322,52 @@ def _config_number(tmp_path):
     gg.GuardConfig.from_dict({"adam": {"eps": "tiny"}})
 
 
+def _loss_as_a_list(tmp_path):
+    guard, model, _ = _guard(tmp_path)
+    loss = model(*make_batch(torch.Generator().manual_seed(0)))
+    loss.backward()
+    guard.step([loss])
+
+
+def _step_after_close(tmp_path):
+    guard, model, _ = _guard(tmp_path)
+    guard.close()
+    loss = model(*make_batch(torch.Generator().manual_seed(0)))
+    loss.backward()
+    guard.step(loss)
+
+
+def _yaml_preset_malformed_section(tmp_path):
+    pytest.importorskip("yaml")
+    path = tmp_path / "guard.yaml"
+    path.write_text("preset: default\nclip: 5\n")
+    gg.GuardConfig.from_yaml(str(path))
+
+
+def _lightning_two_default_callbacks(tmp_path):
+    L = pytest.importorskip("lightning.pytorch")
+    from gradguard.lightning import GradGuardCallback
+
+    from .engines import cfg
+
+    L.Trainer(callbacks=[GradGuardCallback(cfg(tmp_path)), GradGuardCallback(cfg(tmp_path))], logger=False,
+              enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+
+
+def _hf_same_callback_twice(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from gradguard.hf import GradGuardCallback
+
+    from .engines import Data, Net, cfg
+
+    cb = GradGuardCallback(config=cfg(tmp_path))
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, report_to=[], max_steps=1,
+                             save_strategy="no", disable_tqdm=True)
+    Trainer(model=Net(), args=args, train_dataset=Data(), callbacks=[cb, cb])
+
+
 def _engine_closure(engine):
     def run(tmp_path):
         from .engines import RUNNERS, cfg
@@ -345,6 +394,14 @@ BAD_SETUPS = [
      "guard=None"),
     ("config-bool", _config_bool, gg.ConfigError, "GuardConfig.output.console", "'false'"),
     ("config-number", _config_number, gg.ConfigError, "GuardConfig.adam.eps", "'tiny'"),
+    # round three (issue 28): the errors name the field and the fix
+    ("loss-as-a-list", _loss_as_a_list, gg.ConfigError, "guard.step(loss): loss=list", "is not a tensor"),
+    ("step-after-close", _step_after_close, gg.GradGuardError, "guard.step()", "closed guard"),
+    ("yaml-preset-malformed-section", _yaml_preset_malformed_section, gg.ConfigError, "GuardConfig.clip=5",
+     "must be a dict of fields"),
+    ("lightning-two-default-callbacks", _lightning_two_default_callbacks, gg.ConfigError,
+     "2 GradGuardCallbacks named 'default'", "name='main'"),
+    ("hf-same-callback-twice", _hf_same_callback_twice, gg.ConfigError, "same callback instance", "2 times"),
 ]
 
 

@@ -9,12 +9,21 @@ import pytest
 def test_demo_rescues_the_explosive_run(tmp_path):
     """The one real end-to-end run of the explosive setting: unguarded goes wrong, guarded ends
     near the hand-tuned run (this is the README's demo; no wall-clock limit: a slow machine only
-    takes longer)."""
+    takes longer). Not quiet: a progress display per arm on stderr, the table, and the HTML report's
+    path, or the one line saying how to get it (the former short-demo test, merged: one run less)."""
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "gradguard", "demo", "--out", str(out), "--quiet"],
+    proc = subprocess.run([sys.executable, "-m", "gradguard", "demo", "--out", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "| unguarded |" in proc.stdout and "| guarded |" in proc.stdout and "| tuned |" in proc.stdout
+    for arm in ("unguarded", "guarded", "tuned"):
+        assert arm in proc.stderr  # a progress display per arm (tqdm's bar or the plain progress line)
+    try:
+        import plotly  # noqa: F401
+    except ImportError:
+        assert "pip install 'gradguard[report]'" in proc.stdout
+    else:
+        assert f"report: {out / 'gradguard' / 'report.html'}" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     unguarded, guarded, tuned = (summary[k]["eval_loss"] for k in ("unguarded", "guarded", "tuned"))
     assert unguarded > 1.25 * tuned  # really goes wrong
@@ -46,22 +55,13 @@ def test_version():
     assert gradguard.__version__ == metadata.version("gradguard")
 
 
-def test_short_demo_shows_progress_and_its_report(tmp_path):
-    """A short demo (20 steps per arm): a progress display per arm on stderr, the table, and the
-    HTML report's path, or the one line saying how to get it."""
-    out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "gradguard", "demo", "--out", str(out), "--steps", "20"],
-                          capture_output=True, text=True)
+def test_quiet_demo_prints_only_the_table(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "gradguard", "demo", "--out", str(tmp_path / "demo"), "--steps", "10",
+                           "--quiet"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    for arm in ("unguarded", "guarded", "tuned"):
-        assert arm in proc.stderr  # tqdm's bar or the plain progress line names the arm
-    assert "| guarded |" in proc.stdout
-    try:
-        import plotly  # noqa: F401
-    except ImportError:
-        assert "pip install 'gradguard[report]'" in proc.stdout
-    else:
-        assert f"report: {out / 'gradguard' / 'report.html'}" in proc.stdout
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("| run |") and len(lines) == 5 and "| guarded |" in proc.stdout
+    assert "guarded:" not in proc.stderr and "step/s" not in proc.stderr  # no progress display
 
 
 def test_plain_progress_without_tqdm():

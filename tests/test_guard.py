@@ -124,27 +124,40 @@ STATEFUL = {
 }
 
 
-@pytest.mark.parametrize("name", list(STATEFUL))
-def test_state_dict_round_trip_every_stateful_class(name, quiet_cfg):
-    """Drive the object through a real guarded run, save, load into a fresh one, compare."""
+@pytest.fixture(scope="module")
+def stateful_run(tmp_path_factory):
+    """One real guarded run shared by every class of ``STATEFUL``: each object's state after it (the
+    snapshot ring's after a restore, taken last: a restore puts earlier detector states back)."""
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
-    guard = gg.Guard(model, opt, config=quiet_cfg("adaptive"))
+    cfg = gg.GuardConfig.preset("adaptive", output={"dir": str(tmp_path_factory.mktemp("stateful")), "console": False})
+    guard = gg.Guard(model, opt, config=cfg)
     _train(model, opt, 40, guard=guard, poison_at={30})
     guard.core.lr.lower()
     guard.core.lr.lower_layers(["lm_head"])
-    if name == "SnapshotRing":  # its saved state is the rollback count
-        guard.core.snapshots.restore(guard.core.snapshots.best(), restore_schedule=False)
-    obj = {"Detectors": guard.core.detectors, "Policy": guard.core.policy, "ClipController": guard.core.clip,
-           "LRMultiplier": guard.core.lr, "AdamTuner": guard.core.adam, "SnapshotRing": guard.core.snapshots}[name]
-    state = obj.state_dict()
-    blob = json.loads(json.dumps(state))  # states are plain JSON-able data
+    core = guard.core
+    states = {"Detectors": core.detectors.state_dict(), "Policy": core.policy.state_dict(),
+              "ClipController": core.clip.state_dict(), "LRMultiplier": core.lr.state_dict(),
+              "AdamTuner": core.adam.state_dict()}
+    states = {k: json.loads(json.dumps(v)) for k, v in states.items()}  # states are plain JSON-able data
+    core.snapshots.restore(core.snapshots.best(), restore_schedule=False)  # its saved state is the rollback count
+    states["SnapshotRing"] = json.loads(json.dumps(core.snapshots.state_dict()))
     guard.close()  # one guard per optimizer: the LR hooks come off on close
+    return model, opt, states
+
+
+@pytest.mark.parametrize("name", list(STATEFUL))
+def test_state_dict_round_trip_every_stateful_class(name, stateful_run):
+    """Drive the object through a real guarded run, save, load into a fresh one, compare."""
+    model, opt, states = stateful_run
+    state = states[name]
     fresh = STATEFUL[name](model, opt)
     assert fresh.state_dict() != state or name == "AdamTuner"
-    fresh.load_state_dict(blob)
-    assert fresh.state_dict() == json.loads(json.dumps(state))
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    assert fresh.state_dict() == state
+    if name == "LRMultiplier":
+        fresh.remove()  # the fixture's optimizer is shared: no hook of a fresh multiplier stays on it
 
 
 def test_resume_mid_run_continues_exactly(quiet_cfg, tmp_path):

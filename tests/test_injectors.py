@@ -83,8 +83,12 @@ def test_lr_spike_restores_the_users_lr_on_detach_and_bad_arguments_are_named():
         LRSpike(at_step=1).attach(model)
     with pytest.raises(ValueError, match=r"SnapshotIOFault\(target='snapshots'\).attach: guard=None"):
         SnapshotIOFault(at_step=1).attach(model)
+    from gradguard.testing import SinkFault
+
+    with pytest.raises(ValueError, match=r"SinkFault.attach: guard=None"):
+        SinkFault(at_step=1).attach(model)
     assert set(INJECTORS) == {"nan_loss", "grad_fault", "lr_spike", "corrupt_batch", "out_of_memory",
-                              "overflow_streak", "io_fault"}
+                              "overflow_streak", "io_fault", "sink_fault"}
 
 
 def test_io_fault_makes_real_writes_fail_and_is_lifted_after_its_window(tmp_path):

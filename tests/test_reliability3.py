@@ -568,7 +568,7 @@ def test_changed_or_foreign_checkpoint_is_not_trusted(tmp_path):
     events: list[dict] = []
     src = Source()
     assert rollback_from_checkpoints(tier, src, collective(), events.append, 6) is None
-    assert src.reads == [str(own)]  # the foreign file was never read; the rewritten one not restored
+    assert src.reads == []  # neither the foreign file nor the rewritten one was read (checked before the load)
     problems = [p for e in events for p in e["problems"]]
     assert any("outside this run's checkpoint folder" in p for p in problems)
     assert any("changed since it was saved" in p for p in problems)
@@ -577,7 +577,119 @@ def test_changed_or_foreign_checkpoint_is_not_trusted(tmp_path):
     tier.saved(2, [str(own)])
     tier.observe(3, True, False)
     assert rollback_from_checkpoints(tier, src, collective(), events.append, 4)["to_step"] == 2
-    assert src.reads == [str(own)] * 2
+    assert src.reads == [str(own)]
+
+
+def test_checkpoint_fingerprints_are_written_into_the_run_folder_and_checked_after_a_resume(tmp_path):
+    """The fingerprint of each engine checkpoint goes into gradguard's own file in its run folder (not
+    into the guard state, nor among the checkpoints); a resumed run trusts only the checkpoints whose
+    files still match a record of its own run: changed, unrecorded or recorded by another run -> an
+    event (warned by the rollback), forgotten. The checkpoint resumed from is vouched for by the resume."""
+    import json
+    import os
+
+    from gradguard.recovery import LEDGER, CheckpointTier, read_ledger
+
+    run, guard_dir = tmp_path / "run", tmp_path / "guard"
+    run.mkdir()
+    ledger = guard_dir / LEDGER
+
+    def tier_of(state=None):
+        t = CheckpointTier(1)
+        t.ledger_dir = lambda: str(guard_dir)
+        t.roots = lambda: [str(run)]
+        if state is not None:
+            t.load_state_dict(state)
+        return t
+
+    ck = {s: run / f"ck-{s}.pt" for s in (2, 4, 6, 8)}
+    for s, f in ck.items():
+        f.write_bytes(b"w" * s)
+    tier = tier_of()
+    for s in (2, 4, 6):
+        tier.saved(s, [str(ck[s])])
+        tier.observe(s + 1, True, False)  # fingerprinted (and recorded) at the step after the save
+    tier.saved(8, [str(ck[8])])
+    saved_state = tier.state_dict()
+    assert all(set(e) == {"step", "path", "healthy", "tested", "bad"} for e in saved_state)  # no fingerprint in it
+    book = read_ledger(str(ledger))
+    assert sorted(book) == [str(ck[s]) for s in (2, 4, 6)] and {r["run"] for r in book.values()} == {tier.run_id}
+    tier.fingerprint_saved()  # the run's end: the last checkpoint too
+    assert str(ck[8]) in read_ledger(str(ledger)) and sorted(os.listdir(run)) == sorted(f.name for f in ck.values())
+    # another run reuses the folder: rewrites ck-4 and records it under its own id; ck-6 changes under us;
+    # ck-2's record is lost
+    other = tier_of()
+    ck[4].write_bytes(b"v" * 40)
+    other.saved(4, [str(ck[4])])
+    other.observe(5, True, False)
+    os.utime(ck[6], ns=(1, 1))
+    data = json.loads(ledger.read_text())
+    del data["checkpoints"][str(ck[2])]
+    ledger.write_text(json.dumps(data))
+    resumed = tier_of(saved_state)
+    resumed.observe(9, True, False)  # resumed from ck-8 (step 8): checked before anything else
+    events = resumed.take_events()
+    reasons = {e["wanted"]: e["reason"] for e in events if e["type"] == "checkpoint_untrusted"}
+    assert "no fingerprint" in reasons[2] and "another run" in reasons[4] and "changed since" in reasons[6]
+    assert [e["step"] for e in resumed.entries] == [8] and resumed.run_id == tier.run_id  # the run's id goes on
+    assert all(e["message"].startswith("gradguard: ") for e in events)
+    # the resume vouches for the checkpoint it came from even when its writer died before recording it
+    data = json.loads(ledger.read_text())
+    del data["checkpoints"][str(ck[8])]
+    ledger.write_text(json.dumps(data))
+    again = tier_of(saved_state)
+    again.observe(9, True, False)
+    assert 8 in [e["step"] for e in again.entries] and str(ck[8]) in read_ledger(str(ledger))
+    # no run folder on this process: nothing but the checkpoint resumed from is trusted
+    bare = CheckpointTier(1)
+    bare.load_state_dict(saved_state)
+    bare.observe(9, True, False)
+    assert [e["step"] for e in bare.entries] == [8]
+    assert all("no gradguard run folder" in e["reason"] for e in bare.take_events())
+    # a planted link in place of the file is replaced, never written through
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.remove(ledger)
+    os.symlink(victim, ledger)
+    assert read_ledger(str(ledger)) == {}
+    last = tier_of()
+    last.saved(8, [str(ck[8])])
+    last.observe(9, True, False)
+    assert victim.read_text() == "precious" and not os.path.islink(ledger)
+    assert list(read_ledger(str(ledger))) == [str(ck[8])]
+
+
+@pytest.mark.parametrize("engine", ["plain", "hf", "lightning"])
+def test_resumed_run_rolls_back_only_into_checkpoints_whose_fingerprint_matches(tmp_path, engine):
+    """Run A saves checkpoints 2 and 4; resumed from checkpoint 4, a spike at 5 makes checkpoint 4 bad,
+    so checkpoint 2 is the rollback's only candidate. Intact, it is restored (its fingerprint, written
+    by A beside it, matches); touched since the save, the resumed run warns at once, emits
+    ``checkpoint_untrusted`` and never reads it (the step is skipped instead)."""
+    import os
+
+    from .engines import actions
+
+    c = cfg(tmp_path, recovery={"snapshot_interval": 0, "confirm_steps": 1})
+    first = RUNNERS[engine](tmp_path, c, steps=4, save_at=2, opt_kind="sgd")
+    assert first.error is None
+    resume = checkpoint_of(engine, tmp_path, 4)
+    # save_at=100: the engine's checkpointing stays on (Lightning attaches the tier to its ModelCheckpoint)
+    intact = RUNNERS[engine](tmp_path, c, steps=8, faults={5: 50.0, 6: 50.0}, opt_kind="sgd", resume_from=resume,
+                             save_at=100)
+    assert not [e for e in intact.sink.events if e["type"] == "checkpoint_untrusted"]
+    rb = actions(intact, "rollback")
+    assert rb and rb[0]["params"].get("source") == "checkpoint" and rb[0]["params"]["to_step"] == 2
+    two = checkpoint_of(engine, tmp_path, 2)
+    for folder, _, files in (os.walk(two) if os.path.isdir(two) else [(os.path.dirname(two), [], [os.path.basename(two)])]):
+        for name in files:
+            os.utime(os.path.join(folder, name), ns=(10**9, 10**9))  # touched since the save
+    with pytest.warns(RuntimeWarning, match=r"changed since it was saved.*not trusted for a rollback"):
+        tampered = RUNNERS[engine](tmp_path, c, steps=8, faults={5: 50.0, 6: 50.0}, opt_kind="sgd",
+                                   resume_from=resume, save_at=100)
+    untrusted = [e for e in tampered.sink.events if e["type"] == "checkpoint_untrusted"]
+    assert [e["wanted"] for e in untrusted] == [2] and untrusted[0]["step"] == 5
+    rb = actions(tampered, "rollback")
+    assert rb and all(a["params"].get("source") != "checkpoint" for a in rb)
 
 
 def _plant(link, target) -> None:
