@@ -322,7 +322,7 @@ def run_hf(variant: str, size: str, steps: int, warm: int, device: str, out_dir:
 def run_lightning(variant: str, size: str, steps: int, warm: int, device: str, out_dir: str) -> dict[str, Any]:
     import lightning.pytorch as pl
 
-    from gradguard._lightning import boundary
+    from gradguard._lightning.run import LightningRun
     from gradguard.lightning import GradGuardCallback
 
     s = SIZES[size]
@@ -330,7 +330,7 @@ def run_lightning(variant: str, size: str, steps: int, warm: int, device: str, o
     # accounted: Lightning's clip (replayed from the guard's pass in monitor mode) and the guard's hooks
     account(pl.LightningModule, "clip_gradients")
     for fn in ("batch_start", "observe_loss", "before_optimizer_step", "after_optimizer_step"):
-        account(boundary, fn)
+        account(LightningRun, fn)
 
     class LM(pl.LightningModule):
         def __init__(self) -> None:
