@@ -165,6 +165,11 @@ class GuardCore(EngineAPI):
         self.batches: BatchResizer | None = None
         #: BatchNorm-like statistics moved by a step's forward, put back when the step is skipped
         self.running_stats = RunningStats(model) if config.policy.act else None
+        self._step_state()
+        self.reporter.start(list(self.layers.layer_names), optimizer_info(self.optimizer), engine)
+
+    def _step_state(self) -> None:
+        """The counters and the per-step context of a fresh core."""
         self.step_count = self.applied_steps = self.skipped_steps = 0
         self._loss_sum: torch.Tensor | float | None = None
         self._loss_n = 0
@@ -180,7 +185,6 @@ class GuardCore(EngineAPI):
         self._sched_rising = False  # it rose at its last move (a held scheduler keeps the direction)
         self._early_now = False
         self._last: StepReport | None = None
-        self.reporter.start(list(self.layers.layer_names), optimizer_info(self.optimizer), engine)
 
     def _measurement(self, layer_fn: Callable[[str], str] | None) -> tuple[LayerMap, GradMeasurer]:
         """The layer map and the measurer (FSDP: local pieces, summed by the step's one reduction).
