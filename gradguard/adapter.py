@@ -72,11 +72,9 @@ def unusable_resume_state(config: GuardConfig, exc: StateError) -> None:
     warn(f"gradguard: {exc} Monitor mode starts with a fresh guard state instead")
 
 
-def restore_guard_state(core: Any, config: GuardConfig, guard: dict[str, Any] | None, *,
-                        legacy_checkpoints: list[dict[str, Any]] | None = None) -> bool:
+def restore_guard_state(core: Any, config: GuardConfig, guard: dict[str, Any] | None) -> bool:
     """Apply a resumed run's saved guard state (``core.state_dict()``; None: nothing saved) to
-    ``core``, validated whole first. ``legacy_checkpoints``: the trust tier that gradguard <= 0.1
-    saved beside the guard state, loaded when the guard state holds none. Returns False only for a
+    ``core``, validated whole first. Returns False only for a
     guard state that cannot be used in monitor mode (warned, nothing changed: start fresh); when
     acting that is the :class:`StateError` of :func:`unusable_resume_state`."""
     if guard is not None:
@@ -85,8 +83,6 @@ def restore_guard_state(core: Any, config: GuardConfig, guard: dict[str, Any] | 
         except StateError as exc:
             unusable_resume_state(config, exc)
             return False
-    if legacy_checkpoints is not None and "checkpoints" not in (guard or {}):
-        core.checkpoint_tier.load_state_dict(legacy_checkpoints)
     return True
 
 

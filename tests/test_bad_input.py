@@ -111,21 +111,20 @@ def test_restore_guard_state_applies_a_good_state_and_refuses_or_sets_aside_a_ba
     from gradguard.adapter import restore_guard_state
 
     state = _trained_state(tmp_path)
-    tier = [{"step": 4, "path": "ck-4", "tested": True}]  # the trust tier of gradguard <= 0.1
     for preset in ("default", "monitor"):
         guard, _, _ = _guard(tmp_path / preset, preset=preset)
         before = guard.state_dict()
         bad = _garble(["step_count"], -3)(state)
         if preset == "default":
             with pytest.raises(StateError, match=r"step_count=-3.*Fix"):
-                restore_guard_state(guard.core, guard.config, bad, legacy_checkpoints=tier)
+                restore_guard_state(guard.core, guard.config, bad)
         else:
             with pytest.warns(gg.GradGuardWarning, match=r"step_count=-3.*fresh guard state"):
-                assert restore_guard_state(guard.core, guard.config, bad, legacy_checkpoints=tier) is False
+                assert restore_guard_state(guard.core, guard.config, bad) is False
         assert guard.state_dict() == before and guard.core.checkpoint_tier.entries == []  # nothing changed
-        assert restore_guard_state(guard.core, guard.config, None, legacy_checkpoints=tier) is True
-        assert [e["path"] for e in guard.core.checkpoint_tier.entries] == ["ck-4"]
-        assert restore_guard_state(guard.core, guard.config, state, legacy_checkpoints=tier) is True
+        assert restore_guard_state(guard.core, guard.config, None) is True
+        assert guard.core.checkpoint_tier.entries == []  # nothing saved: nothing restored
+        assert restore_guard_state(guard.core, guard.config, state) is True
         assert guard.core.step_count == 6 and guard.core.checkpoint_tier.entries == state["checkpoints"]  # the state's own tier
         guard.close()
 

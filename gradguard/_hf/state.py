@@ -68,7 +68,7 @@ def resume(core: GuardCore, runner: StepRunner | None, batches: TrainerLoader | 
         except StateError as exc:
             unusable_resume_state(config, exc)  # raises when the policy acts; monitor mode: a fresh guard
             found = guard = None
-    if not found or not guard or not restore_guard_state(core, config, guard, legacy_checkpoints=found.get("checkpoints")):
+    if not found or not guard or not restore_guard_state(core, config, guard):
         core.start_at(state.global_step)
         core.emit({"type": "resume", "step": state.global_step, "restored": False})
         return

@@ -379,8 +379,7 @@ class LightningRun:
                 except StateError as exc:
                     unusable_resume_state(self.config, exc)  # raises when the policy acts
                     return False
-            usable = restore_guard_state(self.core, self.config, st.get("core"),
-                                         legacy_checkpoints=st.get("checkpoints"))
+            usable = restore_guard_state(self.core, self.config, st.get("core"))
         except StateError:
             self.teardown_core()
             raise
@@ -397,8 +396,7 @@ class LightningRun:
 
 def adopt_unclaimed(state_key: str, class_name: str, trainer: Any, checkpoint: dict[str, Any]) -> None:
     """No entry under this guard's key, but exactly one guard entry no other guard of this Trainer
-    claims (a checkpoint of gradguard <= 0.1, keyed by a hash of the config, or a guard resumed in
-    the other mode): adopt it."""
+    claims (a guard resumed in the other mode, whose key differs): adopt it."""
     states = checkpoint.get("callbacks")
     if not isinstance(states, dict) or state_key in states:
         return
