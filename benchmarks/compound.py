@@ -5,6 +5,7 @@ than unguarded by more than 0.5%).
     python benchmarks/compound.py                      # master seed 0, plain loop, all families
     python benchmarks/compound.py --master-seed 1      # a fresh held-out draw
     python benchmarks/compound.py --models gpt,llama --steps 120
+    python benchmarks/compound.py --engine hf --models gpt,conv   # the same runs under the HF Trainer
 
 Every run's seed and fault onset are drawn from the master seed (printed), so a new master seed is
 a new held-out set. Scenarios (each on every model family):
@@ -21,8 +22,12 @@ final norm), ``llama`` (pre-norm RMSNorm, SwiGLU, a final RMSNorm), ``postln`` (
 inside the blocks, no final norm), ``conv`` (a gated causal CNN). The reference of a fault run is
 the same run without its fault (for a too-high LR: at the tuned LR). Per arm: *rescued* (within 5%
 of the reference), *harmed* (worse than unguarded by more than 0.5%), actions on healthy runs.
-Engines: the plain loop (the HF Trainer and Lightning run the same core; their arms are not in
-this benchmark yet).
+Engines (``--engine``): ``plain`` (the loop below, ``gradguard.Guard``), ``hf`` (``transformers.Trainer``
+with ``gradguard.hf.GradGuardCallback``) and ``lightning`` (Lightning's ``Trainer`` with
+``gradguard.lightning.GradGuardCallback``): the same runs (model and start, data order, faults, optimizer,
+schedule, clip, eval batches), unguarded and guarded; the engine runners are in
+``benchmarks/compound_engines.py``. Results: ``results/compound-seed<N>[-<engine>]<tag>.md`` (no engine
+part for the plain loop).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from gradguard.demo_model import TinyGPT, evaluate  # noqa: E402
 SEQ, WIDTH, BATCH = 32, 64, 16
 TUNED_LR = 3e-3
 RESCUED, HARMED = 1.05, 1.005
+ENGINE_NAMES = {"plain": "plain loop", "hf": "HF Trainer + gradguard.hf.GradGuardCallback",
+                "lightning": "Lightning Trainer + gradguard.lightning.GradGuardCallback"}
 
 
 # -- model families ---------------------------------------------------------------------------------
@@ -215,11 +222,10 @@ def issue_case(model: str, steps: int = 300) -> list[Run]:
 
 
 # -- one run ---------------------------------------------------------------------------------------
-def train(run: Run, arm_name: str) -> dict[str, Any]:
+def start(run: Run) -> tuple[nn.Module, Any]:
+    """The run's model at its start (after the pre-training of a fine-tuning run) and its data."""
     torch.manual_seed(run.seed)
     data = get_data(SEQ)
-    gen = torch.Generator().manual_seed(run.seed)
-    noise = torch.Generator().manual_seed(50_000 + run.seed)
     model = {**FAMILIES, **EXTRA_FAMILIES}[run.model]()
     if run.pre_steps:
         pre = torch.optim.AdamW(model.parameters(), lr=TUNED_LR, weight_decay=0.01)
@@ -232,6 +238,11 @@ def train(run: Run, arm_name: str) -> dict[str, Any]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             pre.step()
             pre.zero_grad(set_to_none=True)
+    return model, data
+
+
+def optimizer(run: Run, model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW(0.9, 0.95), weight decay 0.01; a LambdaLR: warm-up then cosine, times 30 in an LR spike."""
     opt = torch.optim.AdamW(model.parameters(), lr=run.lr, betas=(0.9, 0.95), weight_decay=0.01)
     warm = int(run.warmup_frac * run.steps)
 
@@ -239,21 +250,56 @@ def train(run: Run, arm_name: str) -> dict[str, Any]:
         f = (s + 1) / warm if warm and s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, run.steps - warm)))
         return f * (30.0 if run.fault == "lr_spike" and run.in_fault(s + 1) else 1.0)
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
-    arm = Unguarded() if arm_name in ("unguarded", "reference") else GradGuardArm("default")
-    arm.user_clip = run.clip
-    tmp = tempfile.TemporaryDirectory(prefix="gg-compound-")
-    arm.attach(model, opt, sched, None, tmp.name)
-    hook = model.tok_emb.register_forward_hook(
-        lambda m, i, out: out * 100.0 if m.training and run.fault == "embed_x100" and run.in_fault(step) else None)
-    nan_hook = model.tok_emb.register_forward_hook(
-        lambda m, i, out: out + float("nan") if m.training and run.fault == "nan" and run.in_fault(step) else None)
-    skipped = 0
-    for step in range(1, run.steps + 1):
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lam)
+
+
+def batches(run: Run, data: Any, n: int | None = None) -> Any:
+    """The training batches of steps 1..n (default: the run's steps), garbage at the fault steps of a
+    ``garbage`` run (the clean batch of that step is drawn and dropped, as a shard holding it would)."""
+    gen = torch.Generator().manual_seed(run.seed)
+    noise = torch.Generator().manual_seed(50_000 + run.seed)
+    for step in range(1, (n or run.steps) + 1):
         x, y = data.train_batch(BATCH, gen)
         if run.fault == "garbage" and run.in_fault(step):
             stream = torch.randint(0, 256, (BATCH, SEQ + 1), generator=noise)
             x, y = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+        yield x, y
+
+
+def fault_hooks(run: Run, model: nn.Module, step_now: Any) -> list[Any]:
+    """The forward-hook faults (embeddings x100, a NaN) at the steps ``step_now()`` (1-based) says."""
+    def hook(m: nn.Module, i: Any, out: torch.Tensor) -> torch.Tensor | None:
+        if not m.training or not run.in_fault(step_now()):
+            return None
+        if run.fault == "embed_x100":
+            return out * 100.0
+        if run.fault == "nan":
+            return out + float("nan")
+        return None
+
+    return [model.tok_emb.register_forward_hook(hook)]
+
+
+def eval_batches(data: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return data.eval_batches(64, 4)
+
+
+def train(run: Run, arm_name: str, engine: str = "plain") -> dict[str, Any]:
+    guarded = arm_name not in ("unguarded", "reference")
+    if engine != "plain":
+        from compound_engines import ENGINES
+
+        return ENGINES[engine](sys.modules[__name__], run, guarded)
+    model, data = start(run)
+    opt, sched = optimizer(run, model)
+    arm = GradGuardArm("default") if guarded else Unguarded()
+    arm.user_clip = run.clip
+    tmp = tempfile.TemporaryDirectory(prefix="gg-compound-")
+    arm.attach(model, opt, sched, None, tmp.name)
+    step = 0
+    hooks = fault_hooks(run, model, lambda: step)
+    skipped = 0
+    for step, (x, y) in enumerate(batches(run, data), 1):  # noqa: B007 (the hooks read it)
         loss = model(x, y)
         loss.backward()
         o = arm.step(loss)
@@ -261,14 +307,14 @@ def train(run: Run, arm_name: str) -> dict[str, Any]:
         skipped += not o.applied
         if o.stop:
             break
-    hook.remove()
-    nan_hook.remove()
-    ev = evaluate(model, data.eval_batches(64, 4))
+    for h in hooks:
+        h.remove()
+    ev = evaluate(model, eval_batches(data))
     extra = arm.finish()
     tmp.cleanup()
     acts = {k: v for k, v in extra.get("guard_actions", {}).items()}
     return {"eval": ev if math.isfinite(ev) else float("inf"), "skipped": skipped, "actions": acts,
-            "halted": extra.get("halted")}
+            "halted": extra.get("halted"), "events": extra.get("events", [])}
 
 
 def judge(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -288,7 +334,8 @@ def judge(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def markdown(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     lines = [f"# Compound benchmark, master seed {doc['master_seed']}", "",
-             f"{s['runs']} runs (plain loop, {doc['steps']} steps, AdamW 0.9/0.95, 10% warm-up + cosine). "
+             f"{s['runs']} runs ({ENGINE_NAMES[doc.get('engine', 'plain')]}, {doc['steps']} steps, AdamW 0.9/0.95, "
+             "10% warm-up + cosine). "
              f"Rescued: within {RESCUED - 1:.0%} of the reference; harmed: guarded > unguarded x {HARMED}.", "",
              f"- unguarded rescued {s['unguarded']['rescued']}/{s['unguarded']['of']}; gradguard rescued "
              f"{s['gradguard']['rescued']}/{s['gradguard']['of']}",
@@ -315,6 +362,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--scenarios", default="")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--engine", choices=("plain", "hf", "lightning"), default="plain",
+                    help="the training engine of every arm (default: the plain loop)")
     ap.add_argument("--reuse", default="", help="a results JSON of the same master seed whose reference and "
                     "unguarded runs are reused (they involve no gradguard code): only the guarded arm runs")
     args = ap.parse_args(argv)
@@ -324,31 +373,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs = [r for m in args.models.split(",") for r in issue_case(m, args.steps)]
     elif args.scenarios:
         runs = [r for r in runs if r.scenario in args.scenarios.split(",")]
-    print(f"master seed {args.master_seed}: {len(runs)} runs", flush=True)
+    print(f"master seed {args.master_seed}: {len(runs)} runs, engine {args.engine}", flush=True)
     rows, t0 = [], time.time()
     reuse: dict[str, Any] = {}
     if args.reuse:
         with open(args.reuse, encoding="utf-8") as fh:
-            reuse = {_key(r): r for r in json.load(fh)["rows"]}
+            old_doc = json.load(fh)
+        if old_doc.get("engine", "plain") != args.engine:
+            ap.error(f"--reuse: {args.reuse} was run with --engine {old_doc.get('engine', 'plain')}")
+        reuse = {_key(r): r for r in old_doc["rows"]}
     for i, run in enumerate(runs, 1):
         row = {**asdict(run)}
         old = reuse.get(_key(row))
         if old is not None:
             row["reference"], row["unguarded"] = old["reference"], old["unguarded"]
         else:
-            row["reference"] = train(run.reference(), "reference") if not run.healthy else None
-            row["unguarded"] = train(run, "unguarded")
-        row["gradguard"] = train(run, "gradguard")
+            row["reference"] = train(run.reference(), "reference", args.engine) if not run.healthy else None
+            row["unguarded"] = train(run, "unguarded", args.engine)
+        row["gradguard"] = train(run, "gradguard", args.engine)
         if row["reference"] is None:
             row["reference"] = row["unguarded"]
         rows.append(row)
         print(f"[{i}/{len(runs)}] {run.scenario}/{run.model} ref {row['reference']['eval']:.3f} "
               f"unguarded {row['unguarded']['eval']:.3f} gradguard {row['gradguard']['eval']:.3f} "
               f"{row['gradguard']['actions']} ({time.time() - t0:.0f}s)", flush=True)
-    doc = {"master_seed": args.master_seed, "steps": args.steps, "rows": rows, "summary": judge(rows),
-           "environment": environment()}
+    doc = {"master_seed": args.master_seed, "steps": args.steps, "engine": args.engine, "rows": rows,
+           "summary": judge(rows), "environment": environment(), "seconds": round(time.time() - t0)}
     os.makedirs(RESULTS_DIR, exist_ok=True)
-    stem = os.path.join(RESULTS_DIR, f"compound-seed{args.master_seed}{args.tag}")
+    engine = "" if args.engine == "plain" else f"-{args.engine}"
+    stem = os.path.join(RESULTS_DIR, f"compound-seed{args.master_seed}{engine}{args.tag}")
     with open(stem + ".json", "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=1, default=str)
     with open(stem + ".md", "w", encoding="utf-8") as fh:
