@@ -283,6 +283,46 @@ class ZClipArm(Arm):
         return o
 
 
+class ARCArm(Arm):
+    """ARC (``arc-training``; AGPL, a benchmark-only dependency, never imported by gradguard) as its
+    README shows: ``action = controller.step(loss)`` after backward, before the optimizer step, and no
+    step when ``action.should_skip`` (ARC rolled back or refused the update itself). The user's
+    clip stays on."""
+
+    name, desc = "arc", "arc.Controller(model, optimizer) defaults, the user's clip kept"
+
+    def attach(self, model, opt, sched, scaler, out_dir) -> None:  # noqa: ANN001
+        super().attach(model, opt, sched, scaler, out_dir)
+        import contextlib
+        import io
+
+        import arc
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.ctl = arc.Controller(model, opt)
+        self.actions: dict[str, int] = {}
+
+    def step(self, loss: torch.Tensor) -> Outcome:
+        def pre(out: Outcome) -> bool:
+            import contextlib
+            import io
+
+            with contextlib.redirect_stdout(io.StringIO()):
+                a = self.ctl.step(loss)
+            for name in ("rolled_back", "lr_reduced"):
+                if getattr(a, name, False):
+                    self.actions[name] = self.actions.get(name, 0) + 1
+            out.alarm = bool(getattr(a, "should_skip", False))
+            if out.alarm:
+                self.actions["skip"] = self.actions.get("skip", 0) + 1
+            return out.alarm
+
+        return self._plain(loss, clip=self.user_clip, pre=pre)
+
+    def finish(self) -> dict[str, Any]:
+        return {"guard_actions": dict(self.actions)}
+
+
 class OLMoSkip(Arm):
     """OLMo-core style skip-step: skip the update when the loss or the total grad norm exceeds
     mean + 6 sigma of the last 128 steps (active once 64 values are in the window; a non-finite

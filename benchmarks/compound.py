@@ -49,7 +49,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import RESULTS_DIR, ConvLM, GradGuardArm, Unguarded, environment, get_data  # noqa: E402
+from common import RESULTS_DIR, ARCArm, ConvLM, GradGuardArm, Unguarded, ZClipArm, environment, get_data  # noqa: E402
 
 from gradguard.demo_model import TinyGPT, evaluate  # noqa: E402
 
@@ -284,6 +284,10 @@ def eval_batches(data: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return data.eval_batches(64, 4)
 
 
+#: the peers (plain loop only): ZClip and ARC as their READMEs show, the user's clip kept by ARC
+PEERS = {"zclip": ZClipArm, "arc": ARCArm}
+
+
 def train(run: Run, arm_name: str, engine: str = "plain") -> dict[str, Any]:
     guarded = arm_name not in ("unguarded", "reference")
     if engine != "plain":
@@ -292,7 +296,7 @@ def train(run: Run, arm_name: str, engine: str = "plain") -> dict[str, Any]:
         return ENGINES[engine](sys.modules[__name__], run, guarded)
     model, data = start(run)
     opt, sched = optimizer(run, model)
-    arm = GradGuardArm("default") if guarded else Unguarded()
+    arm = PEERS[arm_name]() if arm_name in PEERS else GradGuardArm("default") if guarded else Unguarded()
     arm.user_clip = run.clip
     tmp = tempfile.TemporaryDirectory(prefix="gg-compound-")
     arm.attach(model, opt, sched, None, tmp.name)
@@ -320,11 +324,12 @@ def train(run: Run, arm_name: str, engine: str = "plain") -> dict[str, Any]:
 def judge(rows: list[dict[str, Any]]) -> dict[str, Any]:
     faults = [r for r in rows if not r["healthy"]]
     out = {"runs": len(rows)}
-    for arm in ("unguarded", "gradguard"):
+    for arm in ("unguarded", "gradguard", *(p for p in PEERS if rows and p in rows[0])):
         out[arm] = {"rescued": sum(r[arm]["eval"] <= RESCUED * r["reference"]["eval"] for r in faults),
-                    "of": len(faults)}
-    out["harmed"] = [f"{r['scenario']}/{r['model']}" for r in rows
-                     if r["gradguard"]["eval"] > HARMED * r["unguarded"]["eval"]]
+                    "of": len(faults),
+                    "harmed": [f"{r['scenario']}/{r['model']}" for r in rows
+                               if r[arm]["eval"] > HARMED * r["unguarded"]["eval"]]}
+    out["harmed"] = out["gradguard"]["harmed"]
     healthy = [r for r in rows if r["healthy"]]
     out["healthy_actions"] = sum(sum(r["gradguard"]["actions"].values()) for r in healthy)
     out["healthy_runs"] = len(healthy)
@@ -333,6 +338,7 @@ def judge(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(doc: dict[str, Any]) -> str:
     s = doc["summary"]
+    peers = [p for p in PEERS if p in s]
     lines = [f"# Compound benchmark, master seed {doc['master_seed']}", "",
              f"{s['runs']} runs ({ENGINE_NAMES[doc.get('engine', 'plain')]}, {doc['steps']} steps, AdamW 0.9/0.95, "
              "10% warm-up + cosine). "
@@ -340,14 +346,17 @@ def markdown(doc: dict[str, Any]) -> str:
              f"- unguarded rescued {s['unguarded']['rescued']}/{s['unguarded']['of']}; gradguard rescued "
              f"{s['gradguard']['rescued']}/{s['gradguard']['of']}",
              f"- harmed: {len(s['harmed'])} {s['harmed'] or ''}",
-             f"- actions on {s['healthy_runs']} healthy runs: {s['healthy_actions']}", "",
-             "| scenario | model | seed | onset | reference | unguarded | gradguard | g/u | actions |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"- actions on {s['healthy_runs']} healthy runs: {s['healthy_actions']}",
+             *(f"- peer {p}: rescued {s[p]['rescued']}/{s[p]['of']}, harmed {len(s[p]['harmed'])} {s[p]['harmed'] or ''}"
+               for p in PEERS if p in s), "",
+             "| scenario | model | seed | onset | reference | unguarded | gradguard | g/u | "
+             + "".join(f"{p} | " for p in peers) + "actions |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(peers) + "---|"]
     for r in doc["rows"]:
         g, u, ref = r["gradguard"]["eval"], r["unguarded"]["eval"], r["reference"]["eval"]
         acts = ", ".join(f"{k} {v}" for k, v in sorted(r["gradguard"]["actions"].items())) or "-"
         lines.append(f"| {r['scenario']} | {r['model']} | {r['seed']} | {r['onset']} | {ref:.3f} | {u:.3f} | "
-                     f"{g:.3f} | {g / u:.3f} | {acts} |")
+                     f"{g:.3f} | {g / u:.3f} | " + "".join(f"{r[p]['eval']:.3f} | " for p in peers) + f"{acts} |")
     return "\n".join(lines) + "\n"
 
 
@@ -364,9 +373,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tag", default="")
     ap.add_argument("--engine", choices=("plain", "hf", "lightning"), default="plain",
                     help="the training engine of every arm (default: the plain loop)")
+    ap.add_argument("--peers", default="", help="comma-separated peer arms to run too (plain loop): "
+                    + ", ".join(PEERS))
+    ap.add_argument("--reuse-guarded", action="store_true", help="with --reuse: keep its gradguard runs too "
+                    "(to add --peers to a finished run)")
     ap.add_argument("--reuse", default="", help="a results JSON of the same master seed whose reference and "
                     "unguarded runs are reused (they involve no gradguard code): only the guarded arm runs")
     args = ap.parse_args(argv)
+    if args.peers and (args.engine != "plain" or set(args.peers.split(",")) - set(PEERS)):
+        ap.error(f"--peers: plain loop only, from {sorted(PEERS)}")
     torch.set_num_threads(1)
     runs = draw(args.master_seed, args.models.split(","), args.steps)
     if args.scenarios == "issue26":
@@ -390,7 +405,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             row["reference"] = train(run.reference(), "reference", args.engine) if not run.healthy else None
             row["unguarded"] = train(run, "unguarded", args.engine)
-        row["gradguard"] = train(run, "gradguard", args.engine)
+        reuse_guarded = args.reuse_guarded and old is not None and "gradguard" in old
+        row["gradguard"] = old["gradguard"] if reuse_guarded else train(run, "gradguard", args.engine)
+        for peer in filter(None, args.peers.split(",")):
+            row[peer] = (old or {}).get(peer) or train(run, peer)
         if row["reference"] is None:
             row["reference"] = row["unguarded"]
         rows.append(row)
