@@ -145,6 +145,11 @@ def _inside(path: str, roots: list[str]) -> bool:
     return False
 
 
+def _nothing() -> None:
+    """The default of a callable setting that names nothing (a module function: a guard pickles)."""
+    return None
+
+
 class CheckpointTier:
     """The engine's checkpoints as the rollback disk tier, with the one trust rule (and only this
     run's checkpoints: see :meth:`untrusted`)."""
@@ -160,10 +165,10 @@ class CheckpointTier:
         #: entries loaded from a saved guard state, checked against their fingerprint files at the next step
         self.claimed = False
         #: the run's checkpoint folders (set by the rollback from its checkpoint source)
-        self.roots: Callable[[], list[str] | None] = lambda: None
+        self.roots: Callable[[], list[str] | None] = _nothing
         #: gradguard's run folder that holds the :data:`LEDGER` (None: none on this process, fingerprints
         #: are then kept in memory only and a resumed run trusts only the checkpoint it resumed from)
-        self.ledger_dir: Callable[[], str | None] = lambda: None
+        self.ledger_dir: Callable[[], str | None] = _nothing
         #: events for the owner to emit (untrusted checkpoints, fingerprint files that could not be written)
         self.events: list[dict[str, Any]] = []
 

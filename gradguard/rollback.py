@@ -17,6 +17,7 @@ rollback is undone (:meth:`Rollback.undo_escalation`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -148,7 +149,7 @@ class Rollback:
         if sharded:
             return False
         self.checkpoint_source = source
-        self.checkpoint_tier.roots = lambda: getattr(source, "roots", None)
+        self.checkpoint_tier.roots = functools.partial(getattr, source, "roots", None)
         return True
 
     def checkpoint_saved(self, step: int, paths: list[str] | tuple[str, ...] = ("",)) -> None:

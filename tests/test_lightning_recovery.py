@@ -315,7 +315,8 @@ def test_a_checkpoint_holding_pickled_objects_is_skipped_not_executed(tmp_path):
     assert not marker.exists()  # never unpickled
     fb = [e for e in events(cb.core.log_path) if e["type"] == "snapshot_fallback"]
     assert len(fb) == 1 and fb[0]["wanted"] == 6 and fb[0]["path"] == str(target)
-    assert "weights_only=True" in fb[0]["problems"][0] and str(target) in fb[0]["problems"][0]
+    problem = fb[0]["problems"][0]  # refused before unpickling: by its fingerprint (its size changed) or weights_only
+    assert str(target) in problem and ("changed since it was saved" in problem or "weights_only=True" in problem)
     rb = [e for e in events(cb.core.log_path) if e["type"] == "action" and e["name"] == "rollback"]
     assert rb[0]["params"]["to_step"] == 3 and rb[0]["params"]["source"] == "checkpoint"  # the next older file
     assert not marker.exists()
