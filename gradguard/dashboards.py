@@ -14,7 +14,7 @@ from typing import Any
 
 from .names import M
 
-__all__ = ["Panel", "EVENT_POINTS", "ANY_PREFIX", "panels", "tensorboard_layout", "wandb_workspace", "wandb_workspace_spec",
+__all__ = ["Panel", "EVENT_POINTS", "ANY_PREFIX", "LR_CHART", "LR_LOG10_CHART", "panels", "tensorboard_layout", "wandb_workspace", "wandb_workspace_spec",
            "create_wandb_workspace", "WORKSPACE_NAME"]
 
 WORKSPACE_NAME = "gradguard: training stability"
@@ -52,7 +52,7 @@ def panels(prefix: str = "") -> list[Panel]:
     return [
         Panel(main, "loss with gradguard's events", [p + M.LOSS] + [f"{p}{M.EVENT}/{e}" for e in EVENT_POINTS]),
         Panel(main, "total grad norm vs clip threshold", [p + M.GRAD_NORM, p + M.MAX_NORM], log_y=True),
-        Panel(main, "applied vs scheduled LR", regex="^" + re.escape(p + "gradguard/lr") + r"(_scheduled)?/group\d+$",
+        Panel(main, LR_CHART, regex="^" + re.escape(p + "gradguard/lr") + r"(_scheduled)?/group\d+$",
               log_y=True),
         Panel(main, "LR multiplier", [p + M.LR_MULT], log_y=True),
         Panel(main, "loss scale (fp16)", [p + M.SCALE], log_y=True),
@@ -67,6 +67,12 @@ def panels(prefix: str = "") -> list[Panel]:
         Panel(layers, "per-layer parameter norm", regex=_rx(p, M.PARAM_NORM_LAYER), log_y=True),
     ]
 
+
+LR_CHART = "applied vs scheduled LR"
+LR_LOG10_CHART = "applied LR, log10 (the LR on a log axis)"
+"""TensorBoard only: custom scalars cannot set a log axis, so the layout draws the applied LR's
+log10 (``gradguard/lr_log10/group<i>``) in a chart of its own; the W&B workspace sets a log axis on
+its LR panel instead."""
 
 ANY_PREFIX = "(?:[^/]+/)?"
 """What the TensorBoard layout allows before ``gradguard/``: nothing (plain loop, Lightning) or one
@@ -84,8 +90,11 @@ def tensorboard_layout(prefix: str = "") -> dict[str, dict[str, list[Any]]]:
 
     What a layout cannot say: TensorBoard's custom-scalars layout holds only tag expressions per
     chart. Colours are TensorBoard's own, one per series (run and tag) in a multiline chart, and the
-    y axis is linear: switch a chart to a log axis with its "log scale" toggle (the LR, grad norm,
-    loss scale and per-layer charts read best on one; the W&B workspace sets it)."""
+    y axis is linear: switch a chart to a log axis with its "log scale" toggle (the grad norm,
+    loss scale and per-layer charts read best on one; the W&B workspace sets it). For the LR the
+    layout has a chart of its own, :data:`LR_LOG10_CHART`, right after "applied vs scheduled LR":
+    ``gradguard/lr_log10/group<i>``, the log10 of the applied LR, which reads as the LR on a log
+    axis (-3 is 1e-3; an LR cut x0.1 is a step of -1)."""
     out: dict[str, dict[str, list[Any]]] = {}
     for panel in panels(""):
         if panel.table:
@@ -95,6 +104,9 @@ def tensorboard_layout(prefix: str = "") -> dict[str, dict[str, list[Any]]]:
         else:
             tags = ["^" + ANY_PREFIX + re.escape(n) + "$" for n in panel.y]
         out.setdefault(panel.section, {})[panel.title] = ["Multiline", tags]
+        if panel.title == LR_CHART:
+            out[panel.section][LR_LOG10_CHART] = ["Multiline", ["^" + ANY_PREFIX + re.escape(M.LR_LOG10)
+                                                                + r"/group\d+$"]]
     return out
 
 

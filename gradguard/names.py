@@ -30,6 +30,7 @@ class M:
     PARAM_NORM_LAYER = "gradguard/param_norm"  # + /<layer>
     UPDATE_RATIO_LAYER = "gradguard/update_ratio"  # + /<layer>
     LR = "gradguard/lr"  # + /group<i>: the applied LR (the scheduler's x the multiplier)
+    LR_LOG10 = "gradguard/lr_log10"  # + /group<i>: log10 of the applied LR (TensorBoard's layout has no log axis)
     LR_SCHEDULED = "gradguard/lr_scheduled"  # + /group<i>: the scheduler's LR, before the multiplier
     LR_MULT = "gradguard/lr_multiplier"
     MAX_NORM = "gradguard/max_grad_norm"

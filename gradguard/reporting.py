@@ -205,7 +205,10 @@ class Reporter:
         for name, v in report.layer_norms.items():
             m[f"{M.GRAD_NORM_LAYER}/{metric_key(name)}"] = v
         for i, lr in enumerate(lrs):  # the LR applied at this step: the scheduler's x the multiplier
-            m[f"{M.LR}/group{i}"] = lr * report.lr_multiplier
+            applied = lr * report.lr_multiplier
+            m[f"{M.LR}/group{i}"] = applied
+            if applied > 0 and math.isfinite(applied):  # an LR of 0 (a warm-up's first step) has no log
+                m[f"{M.LR_LOG10}/group{i}"] = math.log10(applied)
             m[f"{M.LR_SCHEDULED}/group{i}"] = lr
         for name, c in self.action_counts.items():
             m[f"{M.ACTION}/{name}"] = float(c)

@@ -38,6 +38,11 @@ def test_demo_rescues_the_explosive_run(tmp_path):
     assert summary["guarded"]["report"] == str(report) and report.stat().st_size > 20_000
     assert (out / "gradguard" / "plotly.min.js").stat().st_size > 1_000_000  # plotly.js once, beside it
     assert summary["guarded"]["guard"]["advice"]["settings"]["lr_factor"] < 1
+    # the written diagnosis of the guarded run, each sentence true of its event log
+    from .test_diagnosis import check_log_file
+
+    lines = check_log_file(out / "gradguard" / "events.jsonl")
+    assert "The guard rolled back" in " ".join(lines)
 
 
 def test_demo_rejects_bad_steps():

@@ -20,7 +20,8 @@ from .conftest import TinyNet, make_batch
 from .test_sinks import _read_wandb_run
 
 FIXED = {v for k, v in vars(M).items() if k.isupper() and isinstance(v, str)}
-FAMILIES = (M.GRAD_NORM_LAYER, M.PARAM_NORM_LAYER, M.UPDATE_RATIO_LAYER, M.LR, M.LR_SCHEDULED, M.ACTION, M.EVENT)
+FAMILIES = (M.GRAD_NORM_LAYER, M.PARAM_NORM_LAYER, M.UPDATE_RATIO_LAYER, M.LR, M.LR_LOG10, M.LR_SCHEDULED, M.ACTION,
+            M.EVENT)
 NOT_IN_AN_FP32_RUN = {M.SCALE, M.OVERFLOW}
 
 

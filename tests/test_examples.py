@@ -46,6 +46,10 @@ def test_hf_example_unguarded_diverges_guarded_recovers(capsys, tmp_path, monkey
     assert len(summary) == 2 and not any("{" in line for line in summary)  # readable lines, not a raw dict
     log = out_dir / "guarded" / "gradguard" / "events.jsonl"
     assert g["log"] == str(log) and log.is_file() and f"gradguard report {log}" in out
+    from .test_diagnosis import check_log_file
+
+    lines = check_log_file(log)  # the written diagnosis, each sentence true of the guarded run's log
+    assert "The guard rolled back" in " ".join(lines)
     assert list((out_dir / "guarded" / "tb").glob("events.out.tfevents.*"))
     assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2  # one W&B run per arm
     assert not list(cwd.iterdir())  # nothing left in the working directory

@@ -638,3 +638,4 @@ def test_every_sink_writes_the_same_value_for_the_same_key_at_the_same_step(wand
                 assert wb_rows[step][key] == pytest.approx(want, rel=1e-9), (key, step)
             checked += 1
     assert checked > 100
+    assert any(key.startswith(M.LR_LOG10 + "/") for _, m in mem.metrics for key in m)  # the LR's log10 too

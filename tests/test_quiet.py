@@ -156,6 +156,11 @@ def test_quiet_failure_is_found_and_rescued_in_a_plain_loop(tmp_path):
     assert acts["lower_lr"].params["early"] and acts["lower_lr"].params["to"] == pytest.approx(0.03)
     events = [json.loads(line) for line in open(guard.log_path, encoding="utf-8")]
     assert any(e["type"] == "finding" and e["kind"] == NORM_TAKEOVER and e["layers"] == ["ln_f"] for e in events)
+    from .test_diagnosis import check_log_file
+
+    lines = check_log_file(guard.log_path)  # each sentence true of the log; a quiet takeover is no explosion
+    assert lines[0].startswith(f"First instability at step {first.step}: a normalisation layer's gradient took "
+                               "over in ln_f") and "exploded" not in " ".join(lines)
     # after the restart at the lower LR the final norm no longer takes the gradient
     after = [r for r in reports if r.step > first.step + 10]
     shares = sorted(r.layer_norms["ln_f"] ** 2 / r.total_norm ** 2 for r in after)

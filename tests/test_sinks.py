@@ -73,6 +73,11 @@ def test_tensorboard_sink_round_trip(tmp_path):
         for step, v in want.items():
             assert _same(got[step], v), (key, step, got[step], v)
     assert math.isnan(dict((e.step, e.value) for e in acc.Scalars(M.LOSS))[NAN_STEP])
+    # the LR on a log axis (custom scalars have none): log10 of the applied LR, at every step the LR has
+    lr = {e.step: e.value for e in acc.Scalars(f"{M.LR}/group0")}
+    lr10 = {e.step: e.value for e in acc.Scalars(f"{M.LR_LOG10}/group0")}
+    assert sorted(lr10) == sorted(lr) and len(set(lr10.values())) > 1  # the LR cut shows
+    assert all(lr10[s] == pytest.approx(math.log10(lr[s]), abs=1e-5) for s in lr)
     action_tags = [t for t in tags["scalars"] if t.startswith(M.ACTION + "/")]
     assert action_tags  # the cumulative per-action counts
     text_tag = next(t for t in tags["tensors"] if t.startswith(gg.TensorBoardSink.TEXT_TAG + "/"))
