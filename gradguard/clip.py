@@ -25,7 +25,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ._compat import ds_clip, shadow_method, unshadow_method
+from ._compat import ds_clip, ds_set_clip, shadow_method, unshadow_method
 from .config import ClipConfig, GuardConfig, explicit
 from .errors import ConfigError, warn
 from .measure import EngineClip
@@ -244,3 +244,30 @@ class LightningClip:
             unshadow_method(plugin, "clip_grad_by_norm", wrapper, previous)
         self._shadow = None
         self._pending = None
+
+
+class DeepSpeedClip:
+    """The DeepSpeed engine's ``gradient_clipping``: the one place gradguard writes it. At attach the
+    engine clips to the guard's threshold after its step, or not at all when the guard clips the
+    partitions itself before it (``pre_step``); each step the core moves it with the controller; at
+    close the user's own value is put back."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._user: float | None = None  # the engine's own clip at attach, put back at close
+
+    def current(self) -> float | None:
+        return ds_clip(self.engine) or None
+
+    def set(self, max_norm: float | None) -> None:
+        ds_set_clip(self.engine, max_norm)
+
+    def take_over(self, config: GuardConfig, threshold: float, pre_step: bool) -> None:
+        self._user = ds_clip(self.engine)
+        if config.policy.act and config.clip.mode != "off":
+            self.set(None if pre_step else threshold)
+
+    def release(self) -> None:
+        if self._user is not None:
+            self.set(self._user or None)
+            self._user = None

@@ -55,13 +55,12 @@ from ._compat import (
     ds_partition_grads,
     ds_pre_step_readable,
     ds_scaler_state,
-    ds_set_clip,
     ds_set_reported_norm,
     ds_stage,
     ds_zero_optimizer,
     is_deepspeed_engine,
 )
-from .clip import check_ladder, resolve_clip
+from .clip import DeepSpeedClip, check_ladder, resolve_clip
 from .config import GuardConfig
 from .core import GuardCore, finish_halt
 from .detect import Signals as StepSignals
@@ -141,7 +140,7 @@ class DeepSpeedEngineHandle:
         self.unavailable = {k: v for k, v in UNAVAILABLE.items() if k != "skip"}
         self._index: dict[int, int] = {}  # id(module parameter) -> its layer, rebuilt when layers join
         self._index_version = -1
-        self._user_clip: float | None = None  # the engine's own clip at attach, put back at close
+        self.clip_setting = DeepSpeedClip(engine)  # the engine's gradient_clipping (gradguard.clip)
 
     # -- before the engine's step ----------------------------------------------------------
     def measure(self, core: Any, loss: Any) -> tuple[StepSignals, list[torch.Tensor]] | None:
@@ -193,10 +192,10 @@ class DeepSpeedEngineHandle:
         return EngineReading(total_norm=ds_global_norm(eng), scale=ds_loss_scale(eng), overflow=ds_overflow(eng))
 
     def clip(self) -> float | None:
-        return ds_clip(self.engine) or None
+        return self.clip_setting.current()
 
     def set_clip(self, max_norm: float | None) -> None:
-        ds_set_clip(self.engine, max_norm)
+        self.clip_setting.set(max_norm)
 
     def snapshot_state(self) -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
         eng = self.engine
@@ -226,17 +225,12 @@ class DeepSpeedEngineHandle:
     def attach(self, core: Any) -> None:
         """At attach: the engine clips to the guard's threshold after its step, or not at all when
         the guard clips the partitions itself before it (``pre_step``)."""
-        config = core.config
-        self._user_clip = ds_clip(self.engine)
-        if config.policy.act and config.clip.mode != "off":
-            self.set_clip(None if self.pre_step else core.clip.threshold(0.0))
+        self.clip_setting.take_over(core.config, core.clip.threshold(0.0), self.pre_step)
         core.emit(self.describe())
 
     def release(self) -> None:
         """At close: the engine's own clip as the user configured it."""
-        if self._user_clip is not None:
-            ds_set_clip(self.engine, self._user_clip or None)
-            self._user_clip = None
+        self.clip_setting.release()
 
 
 def run_engine_step(core: Any, handle: DeepSpeedEngineHandle, step_fn: Callable[[], Any],
