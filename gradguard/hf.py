@@ -139,7 +139,7 @@ class GradGuardCallback(TrainerCallback, ExportableState):
             return
         hf_restore_into_own_instances(trainer, type(self))
         once_in_callbacks(self, trainer.callback_handler, self.config)
-        self._ordered = self._ordered or move_ahead_of_reporters(self, trainer_callbacks(trainer))
+        self._ordered = self._ordered or move_ahead_of_reporters(self, trainer_callbacks(trainer), self.print_metrics)
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._join(hf_trainer())

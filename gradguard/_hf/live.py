@@ -174,10 +174,11 @@ def add_to_logs(core: Any, state: Any, logs: dict[str, Any], window: list[float]
         hist[-1].update(head)
 
 
-def move_ahead_of_reporters(callback: Any, cbs: list[Any]) -> bool:
+def move_ahead_of_reporters(callback: object, cbs: list[Any], print_metrics: bool = True) -> bool:
     """User callbacks run after the reporting integrations; metrics added to ``logs`` in ``on_log``
-    would miss them. Move ``callback`` right after ``DefaultFlowCallback`` in ``cbs`` (the Trainer's
-    callback list), and keep the per-layer keys off the printed line; False when it is not there."""
+    would miss them. Move ``callback`` (found by identity) right after ``DefaultFlowCallback`` in
+    ``cbs`` (the Trainer's callback list), and keep the per-layer keys off the printed line (all of
+    gradguard's keys when not ``print_metrics``); False when it is not there."""
     if callback not in cbs:
         return False
     from transformers.trainer_callback import DefaultFlowCallback
@@ -185,6 +186,6 @@ def move_ahead_of_reporters(callback: Any, cbs: list[Any]) -> bool:
     cbs.remove(callback)
     pos = next((i + 1 for i, c in enumerate(cbs) if isinstance(c, DefaultFlowCallback)), 0)
     cbs.insert(pos, callback)
-    # ``callback.print_metrics = False``: no gradguard key on the printed line (report_to gets them all)
-    layer_keys_out_of_print(cbs, everything=not getattr(callback, "print_metrics", True))
+    # print_metrics=False: no gradguard key on the printed line (report_to gets them all)
+    layer_keys_out_of_print(cbs, everything=not print_metrics)
     return True

@@ -79,11 +79,12 @@ def build(cfg: GuardConfig, replay_clip: float | None, args: Any, model: Any, op
     return core, runner, decision, batches
 
 
-def once_in_callbacks(callback: Any, handler: Any, config: GuardConfig) -> None:
+def once_in_callbacks(callback: object, handler: Any, config: GuardConfig) -> None:
     """The same callback instance in the Trainer's callback list twice (``callbacks=[cb]`` and then
     ``trainer.add_callback(cb)``; the Trainer only warns): every event would reach it twice, each step
     measured and counted twice and its state saved under one key. Acting: :class:`ConfigError`;
-    monitor mode: a warning, and the second entry is taken out (it must not stop the run)."""
+    monitor mode: a warning, and the second entry is taken out (it must not stop the run).
+    ``callback`` is only compared by identity."""
     callbacks = getattr(handler, "callbacks", None)
     if not isinstance(callbacks, list):
         return
