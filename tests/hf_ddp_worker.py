@@ -84,5 +84,9 @@ def main(out: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    import gc
+
+    for i in range(1, len(sys.argv), 2):  # OUT MODE [OUT MODE ...]: several runs in one launch
+        main(sys.argv[i], sys.argv[i + 1])
+        gc.collect()
     shutdown()  # after main returned: the trainer and its DDP wrapper are garbage now

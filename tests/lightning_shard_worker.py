@@ -17,6 +17,7 @@ Checkpoints are saved with ``state_dict_type="sharded"``: torch's FSDP1 full-sta
 crashes (SIGSEGV) on the CPU here, with or without gradguard.
 
 usage: python -m torch.distributed.run --nproc_per_node 2 tests/lightning_shard_worker.py OUT STRATEGY SCENARIO
+[OUT STRATEGY SCENARIO ...] (several runs one after the other in one launch, each into its own OUT)
 """
 
 from __future__ import annotations
@@ -258,8 +259,9 @@ def main(out: str, strategy: str, scenario: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
     import gc
 
-    gc.collect()
+    for i in range(1, len(sys.argv), 3):  # one process group for every run of the launch
+        main(*sys.argv[i:i + 3])
+        gc.collect()
     shutdown()

@@ -57,7 +57,8 @@ def samples(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def main(out: str, strategy: str, scenario: str) -> None:
     assert strategy == "ddp"
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo")
+    if not torch.distributed.is_initialized():  # one process group for every run of the launch
+        torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     base = MLP()
@@ -125,5 +126,9 @@ def main(out: str, strategy: str, scenario: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    import gc
+
+    for i in range(1, len(sys.argv), 3):  # OUT STRATEGY SCENARIO [OUT STRATEGY SCENARIO ...]: runs in one launch
+        main(*sys.argv[i:i + 3])
+        gc.collect()
     shutdown()

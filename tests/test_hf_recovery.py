@@ -194,8 +194,9 @@ def test_fp16_overflow_streak_freezes_the_loss_scale(tmp_path):
     assert rep[10].applied and not rep[10].overflow
 
 
-def run_ddp(tmp_path, mode: str) -> tuple[dict, dict]:
-    """Two processes (gloo, CPU) under torchrun; the loss fault exists on rank 1 only."""
+def run_ddp(tmp_path, *modes: str) -> tuple[tuple[dict, dict], ...]:
+    """Two processes (gloo, CPU) under torchrun; the loss fault exists on rank 1 only. Several modes
+    run one after the other in one launch (one process start-up), each into ``tmp_path/<mode>``."""
     import os
     import socket
     import subprocess
@@ -206,18 +207,25 @@ def run_ddp(tmp_path, mode: str) -> tuple[dict, dict]:
         port = s.getsockname()[1]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    args = []
+    for mode in modes:
+        (tmp_path / mode).mkdir()
+        args += [str(tmp_path / mode), mode]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           os.path.join(root, "tests", "hf_ddp_worker.py"), str(tmp_path), mode]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           os.path.join(root, "tests", "hf_ddp_worker.py"), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300 * len(modes))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert r0["world"] == 2 and r0["sampler"] == "BatchSamplerShard"
-    return r0, r1
+    out = []
+    for mode in modes:
+        r0, r1 = (json.loads((tmp_path / mode / f"rank{r}.json").read_text()) for r in (0, 1))
+        assert r0["world"] == 2 and r0["sampler"] == "BatchSamplerShard"
+        out.append((r0, r1))
+    return tuple(out)
 
 
 @pytest.mark.slow
 def test_ddp_fault_on_one_rank_gives_identical_actions_weights_and_batch_sizes(tmp_path):
-    r0, r1 = run_ddp(tmp_path, "memory")
+    ((r0, r1),) = run_ddp(tmp_path, "memory")
     assert r0["actions"] == r1["actions"] == [[5, "rollback"], [5, "skip_data"], [5, "shrink_batch"]]
     assert r0["skipped"] == r1["skipped"] == [4, 5]
     assert r0["weights"] == r1["weights"]  # parameters identical on both ranks
@@ -231,7 +239,7 @@ def test_ddp_fault_on_one_rank_gives_identical_actions_weights_and_batch_sizes(t
 @pytest.mark.slow
 def test_ddp_rollback_to_a_checkpoint_folder_on_every_rank(tmp_path):
     """Only rank 0 writes checkpoints; every rank tracks them and restores the same one."""
-    r0, r1 = run_ddp(tmp_path, "checkpoint")
+    ((r0, r1),) = run_ddp(tmp_path, "checkpoint")
     assert r0["actions"] == r1["actions"] and [5, "rollback"] in r0["actions"]
     assert r0["rollback_to"] == r1["rollback_to"] == [2]  # checkpoint-4 (saved at the spike) is not trusted
     assert r0["weights"] == r1["weights"]
@@ -269,10 +277,7 @@ def test_ddp_out_of_memory_on_one_rank_every_rank_shrinks_the_same_way(tmp_path)
     It runs them again in 2 chunks while rank 0 waits in no collective; both ranks record the same
     action and split every later micro-batch alike, the replicas stay identical, and training
     equals the unguarded-sync run without the error (DDP's own all-reduce) up to float rounding."""
-    (tmp_path / "oom").mkdir()
-    (tmp_path / "native").mkdir()
-    r0, r1 = run_ddp(tmp_path / "oom", "oom")
-    native = run_ddp(tmp_path / "native", "oom_native")[0]
+    (r0, r1), (native, _) = run_ddp(tmp_path, "oom", "oom_native")  # both runs in one launch
     assert r0["action_log"][0] == r1["action_log"][0] == [
         3, "oom_shrink_micro", {"samples": 4, "pieces": 2, "in": "forward", "step_skipped": False,
                                 "micro_batch": [4, 2], "ranks": [1]}]

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -21,23 +22,91 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUNS: dict[tuple[str, str, str, int], tuple[dict, ...]] = {}
 
 
+def _launch(worker: str, nproc: int, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
+           os.path.join(ROOT, "tests", worker), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def run(tmp_path_factory, strategy: str, scenario: str = "default",
         worker: str = "plain_dist_worker.py", nproc: int = 2) -> tuple[dict, ...]:
     """Both ranks' results of one 2-process run of ``tests/<worker>`` (cached per session: several
-    tests read one run)."""
+    tests read one run; ``run_many`` fills the cache for several runs in one launch)."""
     key = (strategy, scenario, worker, nproc)
     if key not in _RUNS:
         out = tmp_path_factory.mktemp(f"{strategy}-{scenario}")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
-               os.path.join(ROOT, "tests", worker), str(out), strategy, scenario]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        proc = _launch(worker, nproc, [str(out), strategy, scenario], timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         _RUNS[key] = tuple(json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc))
     return _RUNS[key]
+
+
+def run_many(tmp_path_factory, cases, worker: str = "plain_dist_worker.py", nproc: int = 2) -> None:
+    """The runs ``cases`` (``(strategy, scenario)`` pairs) of ``tests/<worker>`` in one launch: the
+    worker loops over them (``OUT STRATEGY SCENARIO`` repeated), so the process start-up, the imports
+    and the process group are paid once. Each run's results are cached for ``run`` exactly as one
+    launch of its own would have left them. A failed launch caches nothing: each test then launches
+    its runs alone (and reports its own error)."""
+    todo = [c for c in dict.fromkeys(cases) if (*c, worker, nproc) not in _RUNS]
+    if len(todo) < 2:  # nothing to share: run() launches a single one
+        return
+    outs = [tmp_path_factory.mktemp(f"{strategy}-{scenario}") for strategy, scenario in todo]
+    args = [a for out, (strategy, scenario) in zip(outs, todo) for a in (str(out), strategy, scenario)]
+    try:
+        proc = _launch(worker, nproc, args, timeout=60 + 60 * len(todo))
+    except subprocess.TimeoutExpired:
+        warnings.warn(f"one launch of {len(todo)} runs of {worker} timed out: each runs alone", stacklevel=2)
+        return
+    if proc.returncode != 0:
+        warnings.warn(f"one launch of {len(todo)} runs of {worker} failed, each runs alone: {proc.stderr[-2000:]}",
+                      stacklevel=2)
+        return
+    for out, (strategy, scenario) in zip(outs, todo):
+        _RUNS[(strategy, scenario, worker, nproc)] = tuple(
+            json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc))
+
+
+def runs_read(item) -> list[tuple[str, str, str, int]]:
+    """The worker runs (strategy, scenario, worker, nproc) one test of this module reads."""
+    s = item.callspec.params.get("strategy") if hasattr(item, "callspec") else None
+    oom = "plain_oom_worker.py"
+    return {
+        "test_fault_on_one_rank_same_actions_on_both_and_norms_of_one_process":
+            [(s, "default")] + ([("ddp", "default")] if s not in ("ddp", "tp") else []),
+        "test_clip_with_the_global_norm_adam_change_and_a_layer_lr_on_every_rank":
+            [(s, "clip")] + ([("ddp", "clip")] if s != "ddp" else []),
+        "test_fsdp2_disk_snapshots_one_file_per_rank_and_the_same_rollback": [("fsdp2", "disk"), ("ddp", "disk")],
+        "test_sharded_resume_restores_the_guard_on_every_rank": [(s, "resume"), (s, "default")],
+        "test_fsdp1_monitor_applies_the_users_fixed_clip_with_the_global_norm":
+            [("fsdp1_one", "monitor_clip"), ("ddp", "monitor_clip")],
+        "test_a_snapshot_damaged_on_one_rank_all_ranks_roll_back_to_the_same_older_step": [(s, "disk_damaged")],
+        "test_hybrid_sharding_2x2_mesh_norms_of_one_process_same_actions_on_four_ranks": [(s, "default", 4)],
+        "test_fsdp2_with_tensor_parallelism_2d_mesh_norms_of_one_process_same_actions_on_four_ranks":
+            [("fsdp_tp", "default", 4)],
+        # (oom_single, whose error ends its run on every rank, keeps a launch of its own)
+        "test_ddp_out_of_memory_on_one_rank_every_rank_shrinks_the_same_way": [("ddp", "oom", oom), ("ddp", "none", oom)],
+        "test_ddp_batch_shrink_on_every_rank_after_a_spike_on_one": [("ddp", "shrink", oom)],
+    }.get(getattr(item, "originalname", item.name), [])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_launch(request, tmp_path_factory):
+    """Every run the selected tests of this module read, one launch per worker and process count
+    (one process start-up instead of one per run); each test still asserts on its own run's results."""
+    groups: dict[tuple[str, int], list[tuple[str, str]]] = {}
+    for item in request.session.items:
+        if item.path == request.node.path:
+            for case in runs_read(item):
+                strategy, scenario = case[:2]
+                worker = next((c for c in case[2:] if isinstance(c, str)), "plain_dist_worker.py")
+                nproc = next((c for c in case[2:] if isinstance(c, int)), 2)
+                groups.setdefault((worker, nproc), []).append((strategy, scenario))
+    for (worker, nproc), cases in groups.items():
+        run_many(tmp_path_factory, cases, worker=worker, nproc=nproc)
 
 
 def same_decisions(r0: dict, r1: dict) -> None:

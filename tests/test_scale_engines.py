@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_scale import close, run
+from tests.test_scale import close, run, run_many
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +21,37 @@ WORKER = "lightning_shard_worker.py"
 SHARDED = ["model_parallel", "fsdp"]
 
 
+FAULT = ["ddp", "ddp_zero", *SHARDED, "fsdp_root", "fsdp_flat", "fsdp_root_flat", "model_parallel_tp"]
+RESUME = [*SHARDED, "fsdp_flat"]
+
+
+def runs_read(item) -> list[tuple[str, str]]:
+    """The worker runs (strategy, scenario) one test of this module reads."""
+    strategy = getattr(item, "callspec", None) and item.callspec.params.get("strategy")
+    name = getattr(item, "originalname", item.name)
+    if name == "test_lightning_fault_on_one_rank_same_actions_norms_of_one_process_weights_of_ddp":
+        return [(strategy, "default")] + ([("ddp", "default")] if strategy not in ("ddp", "model_parallel_tp") else [])
+    if name == "test_lightning_sharded_resume_restores_the_guard_on_every_rank":
+        return [(strategy, "resume")]
+    if name == "test_lightning_ddp_out_of_memory_on_one_rank_every_rank_shrinks_the_same_way":
+        return [("ddp", "oom"), ("ddp", "oom_native")]
+    return []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_launch(request, tmp_path_factory):
+    """Every run the selected tests of this module read, in one launch of the worker (one process
+    start-up instead of one per run); each test still asserts on its own run's results."""
+    path = request.node.path
+    cases = [c for item in request.session.items if item.path == path for c in runs_read(item)]
+    run_many(tmp_path_factory, cases, worker=WORKER)
+
+
 def lit(tmp_path_factory, strategy: str, scenario: str = "default") -> tuple[dict, dict]:
     return run(tmp_path_factory, strategy, scenario, worker=WORKER)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_zero", *SHARDED, "fsdp_root", "fsdp_flat", "fsdp_root_flat",
-                                      "model_parallel_tp"])
+@pytest.mark.parametrize("strategy", FAULT)
 def test_lightning_fault_on_one_rank_same_actions_norms_of_one_process_weights_of_ddp(tmp_path_factory, strategy):
     r0, r1 = lit(tmp_path_factory, strategy)
     assert r0["records"] == r1["records"]  # every step: the same findings, actions, skips, loss and norms
@@ -51,7 +76,7 @@ def test_lightning_fault_on_one_rank_same_actions_norms_of_one_process_weights_o
         assert close(r0["params"], lit(tmp_path_factory, "ddp")[0]["params"])
 
 
-@pytest.mark.parametrize("strategy", [*SHARDED, "fsdp_flat"])
+@pytest.mark.parametrize("strategy", RESUME)
 def test_lightning_sharded_resume_restores_the_guard_on_every_rank(tmp_path_factory, strategy):
     r0, r1 = lit(tmp_path_factory, strategy, "resume")
     for r in (r0, r1):
