@@ -197,7 +197,8 @@ class DetectConfig:
     """Quiet-degradation rule (a *norm takeover*): a finding when the model's final normalization
     layer(s) (``ln_f``, ``model.norm``) carry more than this fraction of the squared gradient norm,
     as a median over ``takeover_window`` steps. Healthy runs put at most ~2% there, runs whose LR is
-    far too high 60-99%. 1 disables the rule."""
+    far too high 60-99%. A takeover found once the LR schedule has decayed below a quarter of its
+    peak is reported, not acted on (no rollback in a run's last steps). 1 disables the rule."""
 
     takeover_window: int = 20
     """Steps in the median of the norm layers' gradient share (a finding needs a full window above

@@ -49,6 +49,9 @@ from .running_stats import RunningStats
 from .sinks import Sink
 from .state import load_core_state, model_signature
 
+#: the schedule position (LR / peak LR, decaying) below which a norm takeover is only reported
+LATE_DECAY = 0.25
+
 __all__ = ["GuardCore", "StepReport", "teaches", "STATE_VERSION"]
 
 STATE_VERSION = 1
@@ -183,6 +186,7 @@ class GuardCore(EngineAPI):
         self._failed_mult = 1.0  # LR multiplier level at which the current step's instability happened
         self._sched_pos: float | None = None  # the previous step's schedule position (see _ramp_position)
         self._sched_rising = False  # it rose at its last move (a held scheduler keeps the direction)
+        self._sched_peak = 0.0  # the highest schedule position seen
         self._early_now = False
         self._last: StepReport | None = None
 
@@ -290,6 +294,8 @@ class GuardCore(EngineAPI):
     def _judge(self, sig: Signals, findings: list[Finding], engine_skipped: bool | None) -> Decision:
         """The policy's decision; under a stepping engine that applied the step, a skip becomes a rollback."""
         grad_ratio = self.detectors.grad.ratio(sig.total_norm)
+        if self._late_in_decay():  # a takeover there is reported, not acted on (see _late_in_decay)
+            findings = [f for f in findings if f.kind != NORM_TAKEOVER]
         decision = self.policy.decide(sig, findings, grad_ratio, weights_verified=self.rollback.verified)
         if (engine_skipped is False and decision.skip and self.config.policy.act
                 and not any(a.name == "rollback" for a in decision.actions)):
@@ -329,6 +335,15 @@ class GuardCore(EngineAPI):
         self._early_now = from_start or (self.applied_steps < warm and not self.detectors.loss.progressed())
         decision.suspect = suspect
 
+    def _late_in_decay(self) -> bool:
+        """The schedule has decayed below a quarter of the highest position it reached (as of the
+        last step).
+        The takeover rule reads a quiet stall as an LR too high; this late the LR is small, and its
+        remedy (a rollback to before the takeover's window, an LR cut) would throw away most of the
+        run in its last steps: the finding is reported, not acted on."""
+        pos = self._sched_pos
+        return pos is not None and not self._sched_rising and pos < LATE_DECAY * self._sched_peak
+
     def _ramp_position(self) -> float:
         """Where a rising warm-up stands: the scheduler's LR over its peak (``initial_lr``) while it is
         below 1 and rose at its last move (a scheduler held on skipped steps keeps still), else 1. The multiplier scales the whole
@@ -342,7 +357,7 @@ class GuardCore(EngineAPI):
         pos, prev = float(now) / float(base), self._sched_pos
         if prev is not None and pos != prev:
             self._sched_rising = pos > prev
-        self._sched_pos = pos
+        self._sched_pos, self._sched_peak = pos, max(self._sched_peak, pos)
         return pos if self._sched_rising and 0 < pos < 1 else 1.0
 
     def _early(self) -> bool:

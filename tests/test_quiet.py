@@ -258,3 +258,43 @@ def test_a_post_ln_model_is_watched_through_the_norms_inside_its_blocks():
     assert f.value == pytest.approx(statistics.median(window), rel=1e-4) and f.value > 0.2
     ok, ok_shares = _post_ln_run(1e-3)
     assert ok == [] and max(sorted(ok_shares)[len(ok_shares) // 2], 0) < 0.2
+
+
+@pytest.mark.filterwarnings("ignore::gradguard.errors.GradGuardWarning")
+def test_a_takeover_late_in_the_decay_is_reported_not_acted_on():
+    """Below a quarter of its peak the schedule's LR is small: a takeover found then is reported, but
+    no rollback throws away the run in its last steps."""
+    def run(floor: float) -> tuple[list[int], list[set[str]]]:
+        torch.manual_seed(0)
+        model = _PostLN()
+        opt = torch.optim.AdamW(model.parameters(), lr=3.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 2 else floor)
+        guard = gg.Guard(model, opt, scheduler=sched, config=gg.GuardConfig(output={"console": False}))
+        gen, base = torch.Generator().manual_seed(0), torch.arange(64).repeat(4)
+        found, actions = [], []
+        for _ in range(45):
+            x = torch.stack([base[s:s + 17] for s in torch.randint(0, 64, (8,), generator=gen)])
+            loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, 64), x[:, 1:].reshape(-1))
+            loss.backward()
+            rep = guard.step(loss)
+            if any(f.kind == NORM_TAKEOVER for f in rep.findings):
+                found.append(rep.step)
+                actions.append({a.name for a in rep.actions})
+            opt.zero_grad(set_to_none=True)
+        guard.close()
+        return found, actions
+
+    late_found, late_actions = run(0.2)  # an LR of 0.6 after the peak: still a takeover, found late in the decay
+    assert late_found and all(not ({"rollback", "lower_lr"} & acts) for acts in late_actions)
+    # a schedule that never was higher is not late (a low constant factor is the user's LR)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    guard = gg.Guard(model, opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.2),
+                     config=gg.GuardConfig(output={"console": False}))
+    for _ in range(5):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        guard.step(loss)
+        opt.zero_grad(set_to_none=True)
+    assert not guard.core._late_in_decay()
+    guard.close()
