@@ -6,6 +6,8 @@ own sources (``gradguard.demo_model.load_corpus``), models are built from scratc
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -293,9 +295,6 @@ class ARCArm(Arm):
 
     def attach(self, model, opt, sched, scaler, out_dir) -> None:  # noqa: ANN001
         super().attach(model, opt, sched, scaler, out_dir)
-        import contextlib
-        import io
-
         import arc
 
         with contextlib.redirect_stdout(io.StringIO()):
@@ -304,9 +303,6 @@ class ARCArm(Arm):
 
     def step(self, loss: torch.Tensor) -> Outcome:
         def pre(out: Outcome) -> bool:
-            import contextlib
-            import io
-
             with contextlib.redirect_stdout(io.StringIO()):
                 a = self.ctl.step(loss)
             for name in ("rolled_back", "lr_reduced"):

@@ -117,6 +117,29 @@ class HFLM(nn.Module):
         return {"loss": self.model(input_ids, labels)}
 
 
+def _guard(cls_path: str, guarded: bool, out_dir: str) -> Any:
+    """The engine's GradGuardCallback (``cls_path``: its module) for a guarded run, else None."""
+    if not guarded:
+        return None
+    import importlib
+
+    return importlib.import_module(cls_path).GradGuardCallback(_guard_config(out_dir), out_dir=out_dir)
+
+
+def _train(fit: Callable[[], Any], hooks: list[Any]) -> str | None:
+    """Train (warnings off), remove the fault hooks; the halt's message, if the guard halted."""
+    halted = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            fit()
+        except gradguard.GradGuardHalt as exc:
+            halted = str(exc)
+    for h in hooks:
+        h.remove()
+    return halted
+
+
 def run_hf(recipe: Any, run: Any, guarded: bool) -> dict[str, Any]:
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
@@ -124,13 +147,8 @@ def run_hf(recipe: Any, run: Any, guarded: bool) -> dict[str, Any]:
     model, data = recipe.start(run)
     opt, sched = recipe.optimizer(run, model)
     tmp = tempfile.TemporaryDirectory(prefix="gg-compound-hf-")
-    callback = None
-    callbacks: list[Any] = []
-    if guarded:
-        from gradguard.hf import GradGuardCallback
-
-        callback = GradGuardCallback(_guard_config(tmp.name), out_dir=tmp.name)
-        callbacks.append(callback)
+    callback = _guard("gradguard.hf", guarded, tmp.name)
+    callbacks = [callback] if callback is not None else []
     args = TrainingArguments(
         output_dir=tmp.name, use_cpu=True, report_to=[], seed=run.seed, max_steps=run.steps,
         per_device_train_batch_size=recipe.BATCH, max_grad_norm=run.clip or 0.0, logging_strategy="no",
@@ -138,16 +156,7 @@ def run_hf(recipe: Any, run: Any, guarded: bool) -> dict[str, Any]:
     trainer = Trainer(model=HFLM(model), args=args, train_dataset=_Rows(_ready_batches(recipe, run, data)),
                       optimizers=(opt, sched), callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # disable_tqdm's replacement prints the final metrics
-    hooks = recipe.fault_hooks(run, model, lambda: trainer.state.global_step + 1)
-    halted = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            trainer.train()
-        except gradguard.GradGuardHalt as exc:
-            halted = str(exc)
-    for h in hooks:
-        h.remove()
+    halted = _train(trainer.train, recipe.fault_hooks(run, model, lambda: trainer.state.global_step + 1))
     out = _result(model, data, recipe, callback.summary if callback is not None else None, halted, tmp.name)
     tmp.cleanup()
     return out
@@ -182,28 +191,15 @@ def run_lightning(recipe: Any, run: Any, guarded: bool) -> dict[str, Any]:
     model, data = recipe.start(run)
     opt, sched = recipe.optimizer(run, model)
     tmp = tempfile.TemporaryDirectory(prefix="gg-compound-pl-")
-    callback = None
-    callbacks: list[Any] = []
-    if guarded:
-        from gradguard.lightning import GradGuardCallback
-
-        callback = GradGuardCallback(_guard_config(tmp.name), out_dir=tmp.name)
-        callbacks.append(callback)
+    callback = _guard("gradguard.lightning", guarded, tmp.name)
+    callbacks = [callback] if callback is not None else []
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=run.steps, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=tmp.name, num_sanity_val_steps=0, gradient_clip_val=run.clip)
     module = _lightning_module(model, opt, sched)
     loader = torch.utils.data.DataLoader(_ready_batches(recipe, run, data), batch_size=None, shuffle=False)
-    hooks = recipe.fault_hooks(run, model, lambda: trainer.global_step + 1)
-    halted = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            trainer.fit(module, loader)
-        except gradguard.GradGuardHalt as exc:
-            halted = str(exc)
-    for h in hooks:
-        h.remove()
+    halted = _train(lambda: trainer.fit(module, loader),
+                    recipe.fault_hooks(run, model, lambda: trainer.global_step + 1))
     summary = callback.core.summary() if callback is not None and callback.core is not None else None
     out = _result(model, data, recipe, summary, halted, tmp.name)
     tmp.cleanup()

@@ -208,10 +208,10 @@ class GuardCore(EngineAPI):
 
     def _watch_norms(self) -> None:
         """The takeover rule's layers: the final norm, or (post-LN) the norms inside the blocks."""
-        inner = inner_norm_indices(self.model, self.layers) if self.measurer.sharding is None else []
+        final = norm_layers(self.model, self.layers)
+        inner = inner_norm_indices(self.model, self.layers) if not final and self.measurer.sharding is None else []
         self.measurer.set_watch(inner)
-        self.detectors.takeover.set_layers(list(self.layers.layer_names), norm_layers(self.model, self.layers),
-                                           inner=bool(inner))
+        self.detectors.takeover.set_layers(list(self.layers.layer_names), final, inner=bool(inner))
 
     def _layers_joined(self) -> None:
         """Parameters became trainable: the total-norm baseline starts over (a warm-up of its own)

@@ -295,11 +295,11 @@ def norm_layers(model: nn.Module, layers: LayerMap) -> list[str]:
 
 
 def inner_norm_indices(model: nn.Module, layers: LayerMap) -> list[int]:
-    """Positions in ``layers.params`` of the normalization parameters inside the model's blocks, for a
-    model with no standalone final norm (post-LN: every norm sits inside a block). Batch norms are
-    left out (their gradient share is routine in CNNs). Empty when the model has a standalone norm
-    layer (the final-norm rule applies) or when parameters are sliced or sharded views."""
-    if norm_layers(model, layers) or layers.sliced:
+    """Positions in ``layers.params`` of the normalization parameters (batch norms left out: their
+    gradient share is routine in CNNs), watched for a model with no standalone final norm (post-LN:
+    every norm sits inside a block; the caller checks :func:`norm_layers`). Empty when parameters
+    are sliced views."""
+    if layers.sliced:
         return []
     ids = {id(p) for m in model.modules() if is_norm_module(m) and not isinstance(m, nn.modules.batchnorm._BatchNorm)
            for p in m.parameters(recurse=False)}
