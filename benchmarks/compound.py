@@ -15,6 +15,8 @@ a new held-out set. Scenarios (each on every model family):
 * ``late_spike``: the LR x30 for a few steps late in the cosine decay;
 * ``finetune_bad_batch``: fine-tuning from a pre-trained start, one bad batch (embeddings x100);
 * ``quiet_after_spike``: a NaN early, then an LR far too high under clip 1.0 (a quiet plateau);
+* ``warmup_overshoot``: an LR 10x or 33x too high (drawn), reached through the warm-up: the run
+  blows up on the ramp (no other fault; the reference is the tuned LR);
 * ``healthy``: no fault (counts the guard's actions on a healthy run).
 
 Onsets are drawn from early / middle / late in the decay. Families: ``gpt`` (pre-LN, LayerNorm, a
@@ -182,7 +184,7 @@ class Run:
 
     def reference(self) -> Run:
         """The same run without its fault, at the tuned LR when the LR was the problem."""
-        lr = TUNED_LR if self.scenario in ("garbage_high_lr", "quiet_after_spike") else self.lr
+        lr = TUNED_LR if self.scenario in ("garbage_high_lr", "quiet_after_spike", "warmup_overshoot") else self.lr
         return replace(self, fault=None, fault_len=0, lr=lr, second=None, clip=self.clip)
 
 
@@ -211,6 +213,10 @@ def draw(master: int, models: list[str], steps: int) -> list[Run]:
         runs.append(Run("quiet_after_spike", model, seed(), steps, 0.1, onset=onset("early"), fault="nan",
                         fault_len=1, clip=1.0, warmup_frac=0.0))
         runs.append(Run("healthy", model, seed(), steps, TUNED_LR, healthy=True))
+    # drawn from a stream of their own, so adding them left every run above as it was
+    extra = random.Random(1_000_003 * (master + 1))
+    for model in models:
+        runs.append(Run("warmup_overshoot", model, extra.randrange(10_000), steps, extra.choice((3e-2, 1e-1))))
     return runs
 
 
@@ -355,7 +361,8 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         g, u, ref = r["gradguard"]["eval"], r["unguarded"]["eval"], r["reference"]["eval"]
         acts = ", ".join(f"{k} {v}" for k, v in sorted(r["gradguard"]["actions"].items())) or "-"
-        lines.append(f"| {r['scenario']} | {r['model']} | {r['seed']} | {r['onset']} | {ref:.3f} | {u:.3f} | "
+        name = r["scenario"] + (f" (lr {r['lr']:g})" if r["scenario"] == "warmup_overshoot" else "")
+        lines.append(f"| {name} | {r['model']} | {r['seed']} | {r['onset']} | {ref:.3f} | {u:.3f} | "
                      f"{g:.3f} | {g / u:.3f} | " + "".join(f"{r[p]['eval']:.3f} | " for p in peers) + f"{acts} |")
     return "\n".join(lines) + "\n"
 

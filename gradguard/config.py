@@ -277,15 +277,19 @@ class LRConfig:
     down_factor: float = 0.3
     """Each 'lower_lr' action multiplies the global LR multiplier (the level that failed) by this.
     The level that failed is read against the schedule's peak: during a rising warm-up at 30% of
-    ``initial_lr`` it is 0.3 x the multiplier, so the ramp cannot climb back to the LR that failed."""
+    ``initial_lr`` it is 0.3**2 = 0.09 x the multiplier (a steeper ramp fails at a higher LR than
+    the run tolerates: see ``GuardCore._ramp_position``), so the ramp cannot climb back to the LR
+    that failed."""
 
-    early_down_factor: float = 0.03
+    early_down_factor: float = 0.1
     """'lower_lr' factor for an instability before the run learned anything (in the first
     ``detect.warmup_steps`` healthy steps with the loss never 10% below its first value, or a norm
-    takeover since the first steps): a blow-up from the start means the LR is grossly too high;
-    the rollback to the initial weights makes a deep cut cheap and recovery raises the LR again if
-    the cut was too deep. A blow-up after progress (a warm-up ramp overshooting) gets
-    ``down_factor``."""
+    takeover since the first steps): a blow-up from the start means the LR is far too high, and
+    recovery raises the LR again if the cut was too deep. A blow-up after progress (a warm-up ramp
+    overshooting) gets ``down_factor``. Not deeper by default: x0.03 harmed runs whose LR was 33x too
+    high through a warm-up (the takeover's rollback lands on weights the ramp already damaged, and
+    at 3% of the LR they do not recover; compound benchmark, ``warmup_overshoot``), and left models
+    whose best LR is 3x the usual well below it."""
 
     recover_ceiling: float = 0.5
     """Recovery never raises a multiplier above this fraction of the level that failed (until the

@@ -13,8 +13,12 @@ transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import gradguard as gg  # noqa: E402
+from gradguard.config import LRConfig  # noqa: E402
 from gradguard.demo_model import load_corpus  # noqa: E402
 from gradguard.hf import STATE_FILE, GradGuardCallback  # noqa: E402
+
+#: the LR cut for an instability before the run learned anything (the default config)
+EARLY = LRConfig().early_down_factor
 
 transformers.logging.set_verbosity_error()
 SEQ = 32
@@ -182,9 +186,9 @@ def test_loss_spike_rolls_back_lowers_lr_and_tightens_clip(tmp_path):
     assert torch.equal(probe.wte[5], probe.wte[0])  # restored to the initial snapshot, bitwise
     assert probe.adam_step[4] == 0.0  # optimizer state restored with it
     mult = cb.core.lr.global_mult
-    assert mult == pytest.approx(0.03)
+    assert mult == pytest.approx(EARLY)
     ratio = probe.eff_lr[6] / probe.sched_lr[6]  # the multiplier is applied inside the step only
-    assert ratio == pytest.approx(0.03 / 26, rel=1e-6)  # early cut x0.03, re-warm-up step 1 of 25
+    assert ratio == pytest.approx(EARLY / 26, rel=1e-6)  # the early cut, re-warm-up step 1 of 25
     assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(tr.lr_scheduler.get_last_lr()[0])
     assert cb.max_grad_norm == 0.5
     for s in range(6, 9):  # the clip the Trainer's optimizer really saw
@@ -308,7 +312,7 @@ def test_checkpoint_carries_guard_state_and_resume_continues_it(tmp_path):
     assert core.clip.max_norm == 0.5 and core.lr.global_mult == pytest.approx(cb.core.lr.global_mult)
     assert core.action_counts["rollback"] == 1
     ratio = probe.eff_lr[7] / probe.sched_lr[7]
-    assert 0 < ratio < 0.1  # the lowered LR multiplier (x0.03, re-warming) survived the resume
+    assert 0 < ratio < EARLY  # the lowered LR multiplier (the early cut, re-warming) survived the resume
     assert probe.grad_norm_at_step[7] <= 0.5 + 1e-4
 
 

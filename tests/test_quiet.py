@@ -14,9 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradguard as gg
-from gradguard.config import ConfigError, DetectConfig
+from gradguard.config import ConfigError, DetectConfig, LRConfig
 from gradguard.detect import NORM_TAKEOVER, Detectors, NormTakeoverDetector, Signals
 from gradguard.measure import LayerMap, norm_layers
+
+#: the LR cut for an instability before the run learned anything (the default config)
+EARLY = LRConfig().early_down_factor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -153,7 +156,7 @@ def test_quiet_failure_is_found_and_rescued_in_a_plain_loop(tmp_path):
     acts = {a.name: a for a in first.actions}
     assert {"rollback", "lower_lr"} <= set(acts)
     assert acts["rollback"].params["to_step"] == 0  # weights from before the takeover (later ones never confirmed)
-    assert acts["lower_lr"].params["early"] and acts["lower_lr"].params["to"] == pytest.approx(0.03)
+    assert acts["lower_lr"].params["early"] and acts["lower_lr"].params["to"] == pytest.approx(EARLY)
     events = [json.loads(line) for line in open(guard.log_path, encoding="utf-8")]
     assert any(e["type"] == "finding" and e["kind"] == NORM_TAKEOVER and e["layers"] == ["ln_f"] for e in events)
     from .test_diagnosis import check_log_file
@@ -196,8 +199,8 @@ def test_hf_trainer_quiet_failure_is_rescued_by_the_default_callback(tmp_path):
     f = next(f for f in hit.findings if f.kind == NORM_TAKEOVER)
     assert f.layers == ["transformer.ln_f"] and f.value > f.threshold == 0.2
     acts = {a.name: a.params for a in hit.actions}
-    assert acts["rollback"]["to_step"] == 0 and acts["lower_lr"]["to"] == pytest.approx(0.03)
-    assert tr.state.global_step == 45 and cb.core.lr.global_mult == pytest.approx(0.03)
+    assert acts["rollback"]["to_step"] == 0 and acts["lower_lr"]["to"] == pytest.approx(EARLY)
+    assert tr.state.global_step == 45 and cb.core.lr.global_mult == pytest.approx(EARLY)
 
 
 class _PostLN(torch.nn.Module):
@@ -269,7 +272,9 @@ def test_a_takeover_late_in_the_decay_is_reported_not_acted_on():
         model = _PostLN()
         opt = torch.optim.AdamW(model.parameters(), lr=3.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 2 else floor)
-        guard = gg.Guard(model, opt, scheduler=sched, config=gg.GuardConfig(output={"console": False}))
+        # the first blow-up's cut pinned deep, so the run reaches the takeover this test is about
+        config = gg.GuardConfig(output={"console": False}, lr={"early_down_factor": 0.03})
+        guard = gg.Guard(model, opt, scheduler=sched, config=config)
         gen, base = torch.Generator().manual_seed(0), torch.arange(64).repeat(4)
         found, actions = [], []
         for _ in range(45):

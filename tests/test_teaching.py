@@ -268,10 +268,11 @@ def test_the_html_report_is_not_written_through_a_planted_link(tmp_path):
     assert target.read_text() == "keep me" and not out.is_symlink() and "plotly" in out.read_text()
 
 
-def test_an_instability_during_warm_up_cuts_from_the_lr_that_failed_not_from_the_peak():
-    """The multiplier scales the whole schedule: a blow-up at half of a warm-up failed at half the
-    peak LR, so the cut is down_factor x 0.5 (a cut of the multiplier alone would let the ramp climb
-    back to the LR that failed); after the peak nothing changes."""
+def test_an_instability_during_warm_up_cuts_below_the_lr_that_failed_not_from_the_peak():
+    """The multiplier scales the whole schedule: a blow-up at a fraction ``pos`` of a warm-up failed
+    at ``pos`` of the peak LR, and a ramp fails later the steeper it is, so the level treated as
+    failed is ``pos**2`` and the cut is down_factor x pos**2 (a cut of the multiplier alone would let
+    the ramp climb back to the LR that failed); after the peak nothing changes."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -293,4 +294,4 @@ def test_an_instability_during_warm_up_cuts_from_the_lr_that_failed_not_from_the
     step, params = cut
     pos = scheduled[step]
     assert 0.3 < pos < 0.6 and not params["early"]
-    assert params["from"] == pytest.approx(pos) and params["to"] == pytest.approx(0.3 * pos)
+    assert params["from"] == pytest.approx(pos * pos) and params["to"] == pytest.approx(0.3 * pos * pos)
