@@ -348,15 +348,13 @@ class LightningRun:
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        """The entry: the core's state, the data window left to skip, the loader's micro-batch, the trust
-        tier (a state restored but not applied yet is written back as it came)."""
+        """The entry: the core's state (its trust tier included: the one copy), the data window left to
+        skip, the loader's micro-batch (a state restored but not applied yet is written back as it came)."""
         pending = self.pending_state or {}
-        core = self.core
-        core_state = core.state_dict() if core is not None else pending.get("core")
+        core_state = self.core.state_dict() if self.core is not None else pending.get("core")
         batches = self.batches.state_dict() if self.batches is not None else pending.get("batches")
-        checkpoints = core.checkpoint_tier.state_dict() if core is not None else pending.get("checkpoints")
         return {"version": ADAPTER_STATE_VERSION, "core": core_state, "skip_left": self.skip_left,
-                "data_skipped_steps": self.data_skipped_steps, "batches": batches, "checkpoints": checkpoints}
+                "data_skipped_steps": self.data_skipped_steps, "batches": batches}
 
     def keep_pending(self, state_dict: dict[str, Any]) -> None:
         """Keep a restored entry until the core exists (applied at once when it does)."""
