@@ -71,12 +71,16 @@ class GradGuardCallback(TrainerCallback, ExportableState):
                      layer_metrics=self.layer_metrics, name=type(self).__name__)
 
     # -- what the run holds, read-only (None / [] before train()) ----------------------------------
-    core = property(lambda self: self.run.core, doc="The run's :class:`gradguard.guard.GuardCore`.")
-    reports = property(lambda self: self.run.reports, doc="This ``train()`` call's step reports (the last 1000).")
-    diagnosis = property(lambda self: self.run.diagnosis, doc="The diagnosis of a halt (None without one).")
-    summary = property(lambda self: self.run.summary, doc="The run's summary, once ``train()`` has ended.")
-    max_grad_norm = property(lambda self: self.run.max_grad_norm(), doc="The max_grad_norm in force (the guard's, "
-                             "or the Trainer's own when the guard does not clip).")
+    core = property(lambda self: self.run.core)
+    """The run's :class:`gradguard.guard.GuardCore`."""
+    reports = property(lambda self: self.run.reports)
+    """This ``train()`` call's step reports (the last 1000)."""
+    diagnosis = property(lambda self: self.run.diagnosis)
+    """The diagnosis of a halt (None without one)."""
+    summary = property(lambda self: self.run.summary)
+    """The run's summary, once ``train()`` has ended."""
+    max_grad_norm = property(lambda self: self.run.max_grad_norm())
+    """The max_grad_norm in force (the guard's, or the Trainer's own when the guard does not clip)."""
 
     def observe_loss(self, loss: Any) -> None:
         """Feed the guard one micro-batch's loss when the model's output holds none (a custom
