@@ -12,9 +12,11 @@ calls it.
   a data window skipped after a rollback, a step an out-of-memory error broke), and what follows
   the step (:meth:`after_optimizer_step`: ``core.after_step``, the logged row, the fp16 scale, the
   clip for the next step).
-* The checkpoint entry (``checkpoint["callbacks"][state_key]``, :meth:`state_dict`): restored
-  entries are kept until the core exists (Lightning restores callback states before
-  ``on_train_start``, when the optimizers do not exist yet)."""
+* The checkpoint entry (``checkpoint["callbacks"][state_key]``, :meth:`state_dict`: the core's state,
+  its trust tier the one copy, and the data window): rewritten by :meth:`checkpoint_saved` so a
+  checkpoint lists itself; restored entries are kept until the core exists (Lightning restores
+  callback states before ``on_train_start``, when the optimizers do not exist yet); a pickled
+  callback carries it (:meth:`pickled`)."""
 
 from __future__ import annotations
 
