@@ -27,11 +27,10 @@ _FIX = "Fix: load a state saved by gradguard's state_dict() for this model (or s
 _CORE_FIELDS: dict[str, Any] = {
     "version": int, "step_count": int, "applied_steps": int, "skipped_steps": int, "n_findings": int,
     "verified": bool, "action_counts": dict, "culprits": dict, "detectors": dict, "policy": dict,
-    "clip": dict, "lr": dict, "adam": dict, "snapshots": (dict, type(None)),
+    "clip": dict, "lr": dict, "adam": dict, "snapshots": (dict, type(None)), "model_signature": str,
 }
 #: Entries that older states may lack (filled with their defaults on load).
-_OPTIONAL = {"grow_healthy": int, "model_signature": str, "checkpoints": list, "config": dict,
-             "action_log": list}
+_OPTIONAL = {"grow_healthy": int, "checkpoints": list, "config": dict, "action_log": list}
 #: The snapshot ring's saved counter; states of earlier versions also carry its per-process costs.
 SNAPSHOT_FIELDS: dict[str, Any] = {"restored": int}
 SNAPSHOT_OPTIONAL: dict[str, Any] = {"taken": int, "total_seconds": (int, float)}
@@ -246,13 +245,17 @@ def validate_core_state(core: Any, state: Any, version: int) -> None:
     if state.get("version") != version:
         raise StateError(f"gradguard state version={_short(state.get('version'))}: this gradguard reads "
                          f"version {version}. Fix: load a state saved by this gradguard version")
+    if "model_signature" not in state:
+        raise StateError("gradguard state: entry 'model_signature' is missing (no value): the state does not name the "
+                         "model it was saved from, so it cannot be checked against this one (a state written before "
+                         f"gradguard recorded model signatures, or edited by hand). {_FIX}")
     check_fields("", state, _CORE_FIELDS, _OPTIONAL)
     for key in _COUNT_KEYS:
         if key in state and state[key] < 0:
             raise StateError(f"gradguard state {key}={state[key]!r}: must be >= 0. {_FIX}")
-    sig = state.get("model_signature")
-    mine = model_signature(core.model, getattr(core, "shard_root", None)) if sig is not None else None
-    if sig is not None and sig != mine:
+    sig = state["model_signature"]
+    mine = model_signature(core.model, getattr(core, "shard_root", None))
+    if sig != mine:
         raise StateError(
             f"gradguard state model_signature={sig!r}: saved from another model (this model's parameter "
             f"names and shapes give {mine!r}). Fix: load the state saved with this "

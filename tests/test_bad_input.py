@@ -71,6 +71,8 @@ BAD_STATES = [
     ("detector-type", _garble(["detectors", "loss", "healthy"], "many"), "detectors.loss.healthy='many'", "'many'"),
     ("policy-type", _garble(["policy"], "x"), "policy='x'", "'x'"),
     ("config-type", _garble(["config"], "x"), "config='x'", "'x'"),
+    ("no-model-signature", _garble(["model_signature"], KeyError), "entry 'model_signature' is missing", "no value"),
+    ("model-signature-type", _garble(["model_signature"], None), "model_signature=None", "must be str"),
     # round three (issue 28): values checked for range, not only type
     ("lr-out-of-range", _garble(["lr", "global_mult"], 1e6), "lr.global_mult=1000000.0", "must be in (0, 1]"),
     ("step-count-out-of-range", _garble(["step_count"], 10 ** 30), "step_count=" + str(10 ** 30), "must be an int"),
@@ -101,9 +103,10 @@ def test_state_from_another_model_is_refused(tmp_path):
     with pytest.raises(StateError, match=r"model_signature='[0-9a-f]+': saved from another model.*Fix:"):
         guard.load_state_dict(state)
     assert guard.state_dict() == before
-    legacy = {k: v for k, v in _trained_state(tmp_path / "legacy").items() if k != "model_signature"}
-    guard.load_state_dict(legacy)  # states saved before signatures existed still load
-    assert guard.core.step_count == 6
+    unsigned = {k: v for k, v in _trained_state(tmp_path / "unsigned").items() if k != "model_signature"}
+    with pytest.raises(StateError, match=r"entry 'model_signature' is missing.*Fix:"):
+        guard.load_state_dict(unsigned)  # a state that names no model is refused, not applied unchecked
+    assert guard.state_dict() == before
     guard.close()
 
 

@@ -152,7 +152,7 @@ def test_step_loss_under_gradient_accumulation(tmp_path, loss_kwargs):
     assert len(logs) == 3
     for h in logs:
         assert h["gradguard/loss"] == pytest.approx(h["loss"], rel=1e-5, abs=1e-4)  # 4.57 logs 4 digits
-    assert cb._sum_semantics is loss_kwargs
+    assert cb.run.runner.sum_semantics is loss_kwargs
 
 
 # -- actions ----------------------------------------------------------------------------------------
@@ -324,16 +324,16 @@ def _args(**kw):
 
 
 def test_validation_errors_name_field_value_and_fix(tmp_path):
+    from gradguard._hf.setup import validate
+
     cb = GradGuardCallback(config=cfg(tmp_path))
     opt = torch.optim.AdamW(tiny_gpt2().parameters())
     with pytest.raises(gg.ConfigError, match=r"deepspeed=.*gradient_clipping.*1\.0.*engine was not found.*Fix:"):
-        cb._validate(_args(deepspeed={"gradient_clipping": 1.0}), opt)
+        validate(cb.config, _args(deepspeed={"gradient_clipping": 1.0}), opt)
     with pytest.raises(gg.UnsupportedSetupError, match=r"fsdp='full_shard'.*accelerate shards only on an "
                        r"accelerator.*Fix: .*ModelParallelStrategy.*fully_shard.*gradguard\.Guard"):
-        cb._validate(_args(fsdp="full_shard"), opt)
+        validate(cb.config, _args(fsdp="full_shard"), opt)
     # FSDP / DeepSpeed enabled by `accelerate launch` (its plugin, not TrainingArguments): the Trainer says so
-    from gradguard._hf.setup import validate
-
     launched = make_trainer(tmp_path, [], steps=2)
     launched.is_fsdp_enabled = True  # as accelerate's FSDP plugin sets it (on an accelerator only)
     with pytest.raises(gg.UnsupportedSetupError, match=r"Trainer\.is_fsdp_enabled=True.*Fix: "):
@@ -344,12 +344,12 @@ def test_validation_errors_name_field_value_and_fix(tmp_path):
     launched.is_deepspeed_enabled = False
     assert validate(cb.config, _args(), opt, launched)  # the plain CPU Trainer: guarded
     with pytest.raises(gg.ConfigError, match=r"optim='adalomo'.*Fix:"):
-        cb._validate(_args(optim="adalomo"), opt)
+        validate(cb.config, _args(optim="adalomo"), opt)
     with pytest.raises(gg.ConfigError, match=r"optimizer=object.*param_groups.*Fix:"):
-        cb._validate(_args(), object())
+        validate(cb.config, _args(), object())
     off = GradGuardCallback(config=cfg(tmp_path, clip={"mode": "off"}))
     with pytest.raises(gg.ConfigError, match=r"clip.mode='off'.*tighten_clip.*Fix:"):
-        off._validate(_args(), opt)
+        validate(off.config, _args(), opt)
     conflict = GradGuardCallback(config=cfg(tmp_path, clip={"max_norm": 0.5}))
     tr = make_trainer(tmp_path, [conflict], steps=2, max_grad_norm=0.3)
     with pytest.raises(gg.ConfigError, match=r"max_grad_norm=0\.3.*clip.max_norm=0\.5.*Fix:"):

@@ -55,7 +55,7 @@ def test_oom_in_forward_retries_the_same_samples_in_chunks(tmp_path, loss_kwargs
     tr.model_accepts_loss_kwargs = loss_kwargs  # sum (num_items_in_batch) vs mean-per-micro-batch losses
     calls = oom_above(tr.model, 2)
     tr.train()  # no restart: the Trainer's loop never sees the error
-    assert calls["n"] == 1 and cb._splits == 2
+    assert calls["n"] == 1 and cb.run.runner.splits == 2
     assert set(probe.batch_sizes) == {2} and len(probe.batch_sizes) == 4 * 2 * 2
     # the same samples, equally weighted: the run matches the one that never ran out of memory
     for a, b in zip(train_logs(plain), train_logs(tr)):
@@ -93,7 +93,7 @@ def test_oom_during_backward_mid_accumulation_skips_that_step(tmp_path):
     tr.model.register_forward_pre_hook(fwd, with_kwargs=True)
     tr.model.transformer.h[0].register_full_backward_pre_hook(bwd)
     tr.train()
-    assert state["fired"] and cb._splits == 2
+    assert state["fired"] and cb.run.runner.splits == 2
     assert torch.equal(probe.wte[3], probe.wte[2])  # the half-accumulated step 3 never applied
     assert probe.adam_step[:4] == [1.0, 2.0, 2.0, 3.0]
     assert probe.sched[:4] == [1, 2, 2, 3]

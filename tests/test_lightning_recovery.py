@@ -278,7 +278,9 @@ def test_rollback_restores_the_newest_healthy_modelcheckpoint_file(tmp_path):
     # the tracked files travel in the callback's checkpoint state, the file itself included (step 9's
     # entry went with the rollback to step 6)
     later = torch.load(str(ckpt_dir / "epoch=0-step=12.ckpt"), weights_only=False)
-    tracked = later["callbacks"][cb.state_key]["checkpoints"]
+    entry = later["callbacks"][cb.state_key]
+    assert "checkpoints" not in entry  # one copy of the trust tier: the core's
+    tracked = entry["core"]["checkpoints"]
     assert [(e["step"], e["tested"], e["bad"]) for e in tracked] == [(3, True, False), (6, True, False),
                                                                      (12, False, False)]
     assert tracked[-1]["path"] == str(ckpt_dir / "epoch=0-step=12.ckpt")

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._compat import is_deepspeed_engine
+from .._compat import hf_restore_into_own_instances, hf_trainer, is_deepspeed_engine
 from ..adapter import HaltLatch, halt_raises, may_wrap
 from ..clip import HFClip
 from ..config import GuardConfig
@@ -19,19 +19,30 @@ from ..guard import GuardCore, StepReport
 from ..sinks import Sink
 from . import state as hf_state
 from .deepspeed import DeepSpeedRun
-from .live import add_to_logs, bind_integrations, is_logging_step
+from .live import add_to_logs, bind_integrations, is_logging_step, move_ahead_of_reporters
 from .loader import TrainerLoader
 from .norm import StepDecision
-from .setup import build, event_log_dir, per_process_config, validate
+from .setup import build, event_log_dir, once_in_callbacks, per_process_config, validate
 from .steps import StepRunner
 
-__all__ = ["HFRun"]
+__all__ = ["HFRun", "join_trainer", "trainer_callbacks"]
 
 
 def trainer_callbacks(trainer: Any) -> list[Any]:
     """The Trainer's callback list (its ``report_to`` integrations among them), or []."""
     cbs = getattr(getattr(trainer, "callback_handler", None), "callbacks", None)
     return cbs if isinstance(cbs, list) else []
+
+
+def join_trainer(callback: object, trainer: Any, config: GuardConfig, print_metrics: bool, ordered: bool) -> bool:
+    """``callback`` (compared by identity) once in the Trainer's callback list, ahead of its reporters
+    (``ordered``: moved already); the Trainer's callback restore keeps this instance. Returns whether
+    it is in its place ahead of the reporters."""
+    if trainer is None:
+        return ordered
+    hf_restore_into_own_instances(trainer, type(callback))
+    once_in_callbacks(callback, trainer.callback_handler, config)
+    return ordered or move_ahead_of_reporters(callback, trainer_callbacks(trainer), print_metrics)
 
 
 class HFRun:
@@ -187,6 +198,17 @@ class HFRun:
 
     def saving_step(self) -> int | None:
         return hf_state.saving_step(self.tstate, self.control) if self.core is not None else None
+
+    def exported(self, callback_class: type) -> dict[str, Any] | None:
+        """The callback's ``_resume_state`` in ``trainer_state.json``: the guard state of the checkpoint
+        being written (it lists that checkpoint in its rollback tier). None before the core exists: the
+        Trainer builds its TrainerState and restores callbacks next, into the user's own instances."""
+        if self.core is None:
+            trainer = hf_trainer()
+            if trainer is not None:
+                hf_restore_into_own_instances(trainer, callback_class)
+            return None
+        return self.export(self.saving_step()) or None
 
     def log(self, state: Any, logs: dict[str, Any] | None) -> None:
         if self.core is None or logs is None or self.core.last_report is None:

@@ -12,9 +12,11 @@ calls it.
   a data window skipped after a rollback, a step an out-of-memory error broke), and what follows
   the step (:meth:`after_optimizer_step`: ``core.after_step``, the logged row, the fp16 scale, the
   clip for the next step).
-* The checkpoint entry (``checkpoint["callbacks"][state_key]``, :meth:`state_dict`): restored
-  entries are kept until the core exists (Lightning restores callback states before
-  ``on_train_start``, when the optimizers do not exist yet)."""
+* The checkpoint entry (``checkpoint["callbacks"][state_key]``, :meth:`state_dict`: the core's state,
+  its trust tier the one copy, and the data window): rewritten by :meth:`checkpoint_saved` so a
+  checkpoint lists itself; restored entries are kept until the core exists (Lightning restores
+  callback states before ``on_train_start``, when the optimizers do not exist yet); a pickled
+  callback carries it (:meth:`pickled`)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .._compat import check_features, pl_log_step, pl_should_update_logs, scaler_scale
+from .._compat import check_features, pl_log_step, pl_saving_checkpoint_path, pl_should_update_logs, scaler_scale
 from ..act import unwrap_optimizer
 from ..adapter import (
     HaltLatch,
@@ -83,6 +85,14 @@ class LightningRun:
         self.window_step = False  # this optimizer step's data is skipped
         self.stepped = False  # this batch closed an optimizer step of the guarded optimizer
         self.data_skipped_steps = 0
+
+    @property
+    def diagnosis_path(self) -> str | None:
+        return self.core.diagnosis_path if self.core is not None else None
+
+    @property
+    def oom_events(self) -> int:
+        return self.steps.oom.events if self.steps.oom is not None else 0
 
     # -- FIT_START ---------------------------------------------------------------------------------
     def start(self, trainer: Any, pl_module: Any, state_key: str) -> None:
@@ -220,6 +230,10 @@ class LightningRun:
         self.close()
 
     # -- per step ----------------------------------------------------------------------------------
+    def epoch_start(self) -> None:
+        if self.batches is not None:
+            self.batches.epoch_start()
+
     def batch_start(self, trainer: Any, pl_module: Any, batch_idx: int) -> None:
         """A batch opening an optimizer step of a skipped data window counts down the window."""
         self.ckpt_files.resolve(trainer, self.core)
@@ -338,25 +352,39 @@ class LightningRun:
         return {"mode": mode, "optimizer_steps": n}
 
     # -- the checkpoint entry ------------------------------------------------------------------------
-    def checkpoint_saved(self, trainer: Any, path: str | None) -> bool:
-        """``on_save_checkpoint``: the file being written joins the trust tier (False: not known yet,
-        or no core; its path is read from ``ModelCheckpoint``'s record at the next batch)."""
+    def checkpoint_saved(self, trainer: Any, checkpoint: dict[str, Any], state_key: str) -> None:
+        """``on_save_checkpoint``: the file being written joins the trust tier, and the entry ``state_key``
+        of ``checkpoint`` is written again (Lightning collects the callbacks' ``state_dict()`` before this
+        hook), so the checkpoint lists itself: a run resumed from it keeps it in its rollback tier, as the
+        run that wrote it does. Path not known (or no core): read from ``ModelCheckpoint`` at the next batch."""
+        path = pl_saving_checkpoint_path(trainer)
         if self.core is None or path is None:
             self.ckpt_files.saved(trainer.global_step)
-            return False
+            return
         self.core.checkpoint_saved(trainer.global_step, [path])
-        return True
+        entries = checkpoint.get("callbacks")
+        if isinstance(entries, dict) and state_key in entries:
+            entries[state_key] = self.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        """The entry: the core's state, the data window left to skip, the loader's micro-batch, the trust
-        tier (a state restored but not applied yet is written back as it came)."""
+        """The entry: the core's state (its trust tier included: the one copy), the data window left to
+        skip, the loader's micro-batch (a state restored but not applied yet is written back as it came)."""
         pending = self.pending_state or {}
-        core = self.core
-        core_state = core.state_dict() if core is not None else pending.get("core")
+        core_state = self.core.state_dict() if self.core is not None else pending.get("core")
         batches = self.batches.state_dict() if self.batches is not None else pending.get("batches")
-        checkpoints = core.checkpoint_tier.state_dict() if core is not None else pending.get("checkpoints")
         return {"version": ADAPTER_STATE_VERSION, "core": core_state, "skip_left": self.skip_left,
-                "data_skipped_steps": self.data_skipped_steps, "batches": batches, "checkpoints": checkpoints}
+                "data_skipped_steps": self.data_skipped_steps, "batches": batches}
+
+    def pickled(self, init: dict[str, Any]) -> dict[str, Any]:
+        """What a pickled callback carries (``torch.save(trainer)``, ``copy.deepcopy``): its constructor
+        arguments ``init`` and the guard's state (:meth:`state_dict`; None while there is none). The
+        attached run (core, hooks, wrappers, the trainer) is not pickled: an unpickled callback attaches
+        afresh and applies that state (:meth:`unpickled`)."""
+        return {"init": init, "state": self.state_dict() if (self.core is not None or self.pending_state) else None}
+
+    def unpickled(self, saved: dict[str, Any]) -> None:
+        if saved.get("state") is not None:
+            self.keep_pending(saved["state"])
 
     def keep_pending(self, state_dict: dict[str, Any]) -> None:
         """Keep a restored entry until the core exists (applied at once when it does)."""

@@ -4,6 +4,7 @@ trainer's loggers, the Rich progress bar's console, and two guards under one nam
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 from .._compat import pl_log_step
@@ -12,7 +13,7 @@ from ..errors import ConfigError
 from ..sinks import Sink, TensorBoardSink, WandbSink
 
 __all__ = ["unsupported", "nothing_to_watch", "LightningLoggerSink", "live_sinks", "console_writer",
-           "check_unique_names"]
+           "check_unique_names", "import_lightning"]
 
 # strategy class names (substring) -> ENGINE_REFUSALS kind. FSDPStrategy (FSDP1) and ModelParallelStrategy
 # (FSDP2 via fully_shard in configure_model) are guarded: the core measures and snapshots the shards
@@ -110,13 +111,14 @@ def nothing_to_watch(trainer: Any) -> str | None:
     return None
 
 
-def check_unique_names(me: Any, name: str, callbacks: Any) -> None:
-    """Two guards of one Trainer under one ``name`` (two default ``GradGuardCallback()``s, or one
-    instance passed twice) would share one checkpoint entry: :class:`ConfigError` naming the
-    ``name=`` fix (before Lightning's own "more than one stateful callback" error)."""
+def check_unique_names(me: object, name: str, callbacks: Any, kind: type) -> None:
+    """Two guards (instances of ``kind``) of one Trainer under one ``name`` (two default
+    ``GradGuardCallback()``s, or ``me`` passed twice: compared by identity) would share one checkpoint
+    entry: :class:`ConfigError` naming the ``name=`` fix (before Lightning's own "more than one stateful
+    callback" error)."""
     if not isinstance(callbacks, (list, tuple)):
         return
-    same = [c for c in callbacks if getattr(c, "_gradguard_callback", False) and getattr(c, "name", None) == name]
+    same = [c for c in callbacks if isinstance(c, kind) and getattr(c, "name", None) == name]
     if len(same) < 2:
         return
     if all(c is me for c in same):
@@ -127,3 +129,16 @@ def check_unique_names(me: Any, name: str, callbacks: Any) -> None:
         f"gradguard: {len(same)} GradGuardCallbacks named {name!r} in one Trainer: their states would share one "
         "checkpoint entry. Fix: give each its own name, e.g. GradGuardCallback(config_a, name='main') and "
         "GradGuardCallback(config_b, name='second') (a watcher: the 'monitor' preset is named 'monitor' by default)")
+
+
+def import_lightning() -> ModuleType:
+    """``lightning.pytorch``, else the standalone ``pytorch_lightning``."""
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        try:
+            import pytorch_lightning as pl  # type: ignore[no-redef]
+        except ImportError as exc:
+            raise ImportError("gradguard.lightning needs Lightning: pip install 'gradguard[lightning]' "
+                              "(or pytorch-lightning)") from exc
+    return pl
