@@ -1,22 +1,26 @@
 """TensorBoard line runs: a colour per series in gradguard's multi-line custom-scalars charts.
 
 TensorBoard's CUSTOM SCALARS tab colours the lines of a chart by run (its colour scale is keyed by
-the run name; the series of one run share a colour and differ only by marker shape). As
-``SummaryWriter.add_scalars`` does, each series of a multi-line chart
-(:data:`gradguard.dashboards.LINE_CHARTS`) is therefore also written as a run of its own, a folder
-inside the run's folder, under the one tag the chart draws:
+the run name; the series of one run share a colour and differ only by marker shape), from a
+palette of 7 colours handed out in the order of its runs list. As ``SummaryWriter.add_scalars``
+does, the series of a multi-line chart (:data:`gradguard.dashboards.LINE_CHARTS`) are therefore
+also written into runs of their own, folders inside the run's folder; but not one run per series
+(a model's layers would add dozens of runs, and above 40 runs TensorBoard's runs selector enables
+none by default: empty CUSTOM SCALARS, SCALARS and TEXT tabs). The n-th series of a chart (in the
+order it first comes) goes to line run ``n mod 7``, under a tag of its own that the chart draws:
 
-    <run>/gradguard-lines/<chart>/<key without gradguard/>     tag gradguard/lines/<chart>
+    <run>/gradguard-lines/<n mod 7>     tag gradguard-lines/<chart>/<key without gradguard/>
 
-e.g. ``<run>/gradguard-lines/layer_grad_norm/grad_norm/fc1``. The run's own keys are written as
-before (same values, same steps); these runs repeat them for the charts.
+e.g. ``gradguard-lines/layer_grad_norm/grad_norm/fc1`` in ``<run>/gradguard-lines/0`` and
+``.../grad_norm/head`` in ``<run>/gradguard-lines/1``. So a run adds at most 7 runs, and a chart's
+first 7 series have 7 colours (an 8th repeats the first colour, as TensorBoard's palette does).
+The run's own keys are written as before (same values, same steps); these runs repeat them.
 
 Files: no writer thread and no file left open. Records are kept in memory and appended every
-``flush_secs`` and at close, one open-append-close per line run (one event file each, made by
-this writer). Every line run of one writer starts at the same time (its first record's wall time):
-TensorBoard orders runs by start time, then name, and hands out its colours in that order, so the
-lines of a chart are neighbours and get different colours (TensorBoard's palette has 7: an 8th
-line of a chart repeats the first colour).
+``flush_secs`` and at close, one open-append-close per line run (one event file each, made by this
+writer). The line runs of one writer start at the same time (their first record's wall time):
+TensorBoard orders runs by start time, then name, so they are neighbours in its runs list and take
+7 different colours.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import time
 from typing import Any
 
 from . import _io, logdir
-from .dashboards import LINES_DIR, LINES_TAG, line_charts
+from .dashboards import LINE_COLOURS, LINES_DIR, LINES_TAG, line_charts
 
 __all__ = ["LineRuns"]
 
@@ -61,18 +65,24 @@ class LineRuns:
         self.file_name = (f"events.out.tfevents.{int(self.start):010d}.{_segment(socket.gethostname())}."
                           f"{os.getpid()}.{next(_SEQ)}.gradguard")
         self.error: str | None = None
+        #: per chart, each key's place in it (the order it first came): its line run is place mod 7
+        self.places: dict[str, dict[str, int]] = {}
         self._targets: dict[str, list[tuple[str, str]]] = {}  # key -> [(event file, tag)]
         self._pending: dict[str, list[bytes]] = {}  # event file -> records not yet appended
         self._started: set[str] = set()  # event files that have their first record
         self._flushed_at = time.monotonic()
 
     def targets(self, key: str) -> list[tuple[str, str]]:
-        """``(event file, tag)`` of each line run of ``key`` (none for a key of no multi-line chart)."""
+        """``(event file, tag)`` of each chart that draws ``key`` (none for a key of no multi-line chart)."""
         if key not in self._targets:
             label = key[len("gradguard/"):] if key.startswith("gradguard/") else ""
-            self._targets[key] = [
-                (logdir.join(self.root, chart, *map(_segment, label.split("/")), self.file_name), f"{LINES_TAG}/{chart}")
-                for chart in (line_charts(key) if label else [])]
+            out = []
+            for chart in line_charts(key) if label else []:
+                places = self.places.setdefault(chart, {})
+                place = places.setdefault(key, len(places))
+                path = logdir.join(self.root, str(place % LINE_COLOURS), self.file_name)
+                out.append((path, f"{LINES_TAG}/{chart}/" + "/".join(map(_segment, label.split("/")))))
+            self._targets[key] = out
         return self._targets[key]
 
     def _bytes(self, **event: Any) -> bytes:

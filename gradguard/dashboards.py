@@ -15,7 +15,7 @@ from typing import Any
 from .names import M
 
 __all__ = ["Panel", "EVENT_POINTS", "ANY_PREFIX", "LR_CHART", "LR_LOG10_CHART", "LINES_TAG", "LINES_DIR", "LINE_CHARTS",
-           "panels", "line_charts", "tensorboard_layout", "wandb_workspace", "wandb_workspace_spec",
+           "LINE_COLOURS", "panels", "line_charts", "tensorboard_layout", "wandb_workspace", "wandb_workspace_spec",
            "create_wandb_workspace", "WORKSPACE_NAME"]
 
 WORKSPACE_NAME = "gradguard: training stability"
@@ -79,10 +79,14 @@ ANY_PREFIX = "(?:[^/]+/)?"
 """What the TensorBoard layout allows before ``gradguard/``: nothing (plain loop, Lightning) or one
 engine namespace (HF's ``train/``)."""
 
-LINES_TAG = "gradguard/lines"
-"""TensorBoard: the tag of a line run, ``<LINES_TAG>/<chart>`` (see :data:`LINE_CHARTS`)."""
 LINES_DIR = "gradguard-lines"
-"""TensorBoard: the folder of the line runs inside the run's folder (a name no ``import`` can reach)."""
+"""TensorBoard: the folder of the line runs inside the run's folder, ``<run>/gradguard-lines/<0-6>``
+(a name no ``import`` can reach)."""
+LINES_TAG = "gradguard-lines"
+"""TensorBoard: what the tags of the line runs begin with, ``gradguard-lines/<chart>/<key without
+gradguard/>`` (a tag group of its own, apart from the run's ``gradguard/...`` keys)."""
+LINE_COLOURS = 7
+"""TensorBoard's palette (``tensorboardColorBlindAssist``): 7 colours, handed out by run."""
 
 LINE_CHARTS = {
     "loss with gradguard's events": "loss",
@@ -97,10 +101,11 @@ LINE_CHARTS = {
     "per-layer parameter norm": "layer_param_norm",
 }
 """TensorBoard's multi-line charts (title: name). TensorBoard colours the lines of a custom-scalars
-chart by run, so the series of one run would share a colour: each series of these charts is also
-written as a run of its own, ``<run>/gradguard-lines/<name>/<key without gradguard/>``, under the
-one tag ``gradguard/lines/<name>`` that the chart draws (what ``SummaryWriter.add_scalars`` does).
-The run's own keys stay as they are; the other charts hold one series and draw them."""
+chart by run, so the series of one run would share a colour: the n-th series of each of these
+charts is also written into the line run ``<run>/gradguard-lines/<n mod 7>`` under the tag
+``gradguard-lines/<chart>/<key without gradguard/>``, which the chart draws (see
+:mod:`gradguard._tblines`). The run's own keys stay as they are; the other charts hold one series
+and draw them."""
 
 
 def _tb_charts() -> list[tuple[str, str, list[str], str | None]]:
@@ -131,10 +136,10 @@ def tensorboard_layout(prefix: str = "", lines: bool = True) -> dict[str, dict[s
     of doubling them.
 
     Colours: TensorBoard colours lines by run. With ``lines`` (what ``TensorBoardSink`` writes) each
-    multi-line chart (:data:`LINE_CHARTS`) draws its tag ``gradguard/lines/<name>``, written by one
-    run per series, so every series has a colour of its own; a chart of one series draws the run's
-    own key, with an optional engine namespace before ``gradguard/``. ``lines=False``: every chart
-    draws the run's own keys (the series of one run share a colour, told apart by marker shape).
+    multi-line chart (:data:`LINE_CHARTS`) draws the tags ``gradguard-lines/<name>/...``, whose
+    series sit in 7 line runs, one colour each; a chart of one series draws the run's own key, with
+    an optional engine namespace before ``gradguard/``. ``lines=False``: every chart draws the
+    run's own keys (the series of one run share a colour, told apart by marker shape).
 
     What a layout cannot say: no axis settings, the y axis is linear: switch a chart to a log axis
     with its "log scale" toggle (the grad norm, loss scale and per-layer charts read best on one; the
@@ -144,7 +149,7 @@ def tensorboard_layout(prefix: str = "", lines: bool = True) -> dict[str, dict[s
     out: dict[str, dict[str, list[Any]]] = {}
     for section, title, keys, regex in _tb_charts():
         if lines and title in LINE_CHARTS:
-            tags = ["^" + re.escape(f"{LINES_TAG}/{LINE_CHARTS[title]}") + "$"]
+            tags = ["^" + re.escape(f"{LINES_TAG}/{LINE_CHARTS[title]}/")]
         elif regex:
             tags = ["^" + ANY_PREFIX + regex[1:]]
         else:

@@ -418,9 +418,10 @@ class TensorBoardSink(Sink):
     ``layout=False`` leaves the writer's layout alone.
 
     ``lines`` (default): a colour per series in the multi-line charts. TensorBoard colours lines by
-    run, so each series of those charts is also written as a run of its own inside the run's folder,
-    ``<run>/gradguard-lines/<chart>/<key without gradguard/>`` (what ``add_scalars`` does; see
-    :mod:`gradguard._tblines`: no extra thread, no file left open), and the layout draws those.
+    run, so the series of those charts are also written into at most 7 runs inside the run's
+    folder, ``<run>/gradguard-lines/<0-6>``, the n-th series of a chart in run ``n mod 7`` under
+    the tag ``gradguard-lines/<chart>/<key without gradguard/>`` (as ``add_scalars`` does, bounded;
+    see :mod:`gradguard._tblines`: no extra thread, no file left open), and the layout draws those.
     ``lines=False``: one run, the layout draws its keys (one colour per run)."""
 
     TEXT_TAG = "gradguard/events"

@@ -151,7 +151,8 @@ def test_the_dashboards_match_a_real_runs_keys_in_wandb_and_tensorboard(wandb_of
     want = {cat: {title: spec[1] for title, spec in charts.items()} for cat, charts in tensorboard_layout().items()}
     assert got == want
     # the run's own keys and the line runs' tags (a run per series of a multi-line chart)
-    scalars = set(acc.Tags()["scalars"]) | {f"{LINES_TAG}/{chart}" for chart, _ in _line_runs(tmp_path / "tb")}
+    scalars = set(acc.Tags()["scalars"]) | {f"{LINES_TAG}/{chart}/{key[len('gradguard/'):]}"
+                                            for chart, key in _line_runs(tmp_path / "tb")}
     for charts in got.values():
         for title, tags in charts.items():
             if title != "loss scale (fp16)":

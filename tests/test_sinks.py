@@ -88,6 +88,13 @@ def test_tensorboard_sink_round_trip(tmp_path):
         want = _expected(mem, key)
         assert sorted(got) == sorted(want), (chart, key)
         assert all(_same(got[s], v) for s, v in want.items()), (chart, key)
+    # each chart's series sit in different runs (a colour each), at most 7 runs
+    where = {}
+    _line_runs(tb_dir, where)
+    for chart in {c for c, _ in where}:
+        runs = [run for (c, _), run in where.items() if c == chart]
+        assert len(set(runs)) == len(runs), (chart, where)
+    assert set(where.values()) <= {str(n) for n in range(7)}
     # the LR on a log axis (custom scalars have none): log10 of the applied LR, at every step the LR has
     lr = {e.step: e.value for e in acc.Scalars(f"{M.LR}/group0")}
     lr10 = {e.step: e.value for e in acc.Scalars(f"{M.LR_LOG10}/group0")}
@@ -110,9 +117,10 @@ def _tb(path):
     return acc
 
 
-def _line_runs(run_dir):
-    """The line runs of a TensorBoard run folder: ``{(chart, key): {step: value}}`` (the run's folder
-    ``gradguard-lines/<chart>/<key without gradguard/>``, its one tag ``gradguard/lines/<chart>``)."""
+def _line_runs(run_dir, where=None):
+    """The line runs of a TensorBoard run folder: ``{(chart, key): {step: value}}`` from the tags
+    ``gradguard-lines/<chart>/<key without gradguard/>`` of the runs ``gradguard-lines/<n>``;
+    ``where`` (a dict) gets each series' run ``n``."""
     import os
 
     from gradguard.dashboards import LINES_DIR, LINES_TAG
@@ -122,10 +130,14 @@ def _line_runs(run_dir):
     for folder, _, files in os.walk(root):
         if not any("tfevents" in f for f in files):
             continue
-        chart, label = os.path.relpath(folder, root).replace(os.sep, "/").split("/", 1)
         acc = _tb(folder)
-        assert acc.Tags()["scalars"] == [f"{LINES_TAG}/{chart}"], folder  # one tag per line run
-        out[(chart, "gradguard/" + label)] = {e.step: e.value for e in acc.Scalars(f"{LINES_TAG}/{chart}")}
+        for tag in acc.Tags()["scalars"]:
+            assert tag.startswith(LINES_TAG + "/"), (folder, tag)
+            chart, label = tag[len(LINES_TAG) + 1:].split("/", 1)
+            assert (chart, "gradguard/" + label) not in out, tag  # a series is in one run only
+            out[(chart, "gradguard/" + label)] = {e.step: e.value for e in acc.Scalars(tag)}
+            if where is not None:
+                where[(chart, "gradguard/" + label)] = os.path.relpath(folder, root)
     return out
 
 
@@ -176,8 +188,10 @@ def test_tensorboard_layout_is_one_set_of_charts_for_every_engine(tmp_path):
             ("layer_grad_norm", f"{M.GRAD_NORM_LAYER}/fc1"): {1: 0.5}}
     assert layouts[0] == layouts[1]
     charts = {title: tags for c in tensorboard_layout().values() for title, (_, tags) in c.items()}
-    assert charts["loss with gradguard's events"] == ["^" + re.escape(LINES_TAG) + "/loss$"]
-    assert charts["per-layer grad norm"] == ["^" + re.escape(LINES_TAG) + "/layer_grad_norm$"]
+    assert charts["loss with gradguard's events"] == ["^" + re.escape(LINES_TAG + "/loss/")]
+    assert charts["per-layer grad norm"] == ["^" + re.escape(LINES_TAG + "/layer_grad_norm/")]
+    (loss_chart,) = charts["loss with gradguard's events"]
+    assert not re.match(loss_chart, f"{LINES_TAG}/lr/lr/group0")
     (mult,) = charts["LR multiplier"]
     assert re.match(mult, M.LR_MULT) and re.match(mult, "train/" + M.LR_MULT)
     # the run's own keys are drawn by no multi-line chart (no line twice, no one-colour series)
@@ -222,6 +236,29 @@ def test_tensorboard_line_runs_switch_engine_writer_and_files(tmp_path):
     main = _tb(tmp_path / "engine")
     assert main.Tags()["scalars"] == [f"train/{M.GRAD_NORM_LAYER}/fc1", f"train/{M.LR_MULT}"]  # the engine's own rows
     assert tensorboard_layout(lines=False) != tensorboard_layout()
+
+
+def test_tensorboard_line_runs_are_at_most_seven_runs(tmp_path):
+    """40 layers: the per-layer series go to 7 line runs (TensorBoard's 7 colours), the n-th
+    series of a chart to run n mod 7, in the order the keys first came; a run of the guard adds at
+    most 7 runs, so a folder of several runs stays under TensorBoard's 40 runs enabled by default."""
+    import os
+
+    from gradguard.dashboards import LINES_DIR
+
+    sink = gg.TensorBoardSink(str(tmp_path / "tb"))
+    layers = [f"h_{i}" for i in range(40)]
+    for step in (1, 2):
+        sink.log_metrics(step, {M.LOSS: 1.0, M.GRAD_NORM: 2.0, **{f"{M.GRAD_NORM_LAYER}/{x}": 0.1 * step for x in layers},
+                                **{f"{M.UPDATE_RATIO_LAYER}/{x}": 1e-3 for x in layers}})
+    sink.close()
+    where = {}
+    lines = _line_runs(tmp_path / "tb", where)
+    assert sorted(os.listdir(tmp_path / "tb" / LINES_DIR)) == [str(n) for n in range(7)]
+    assert [where[("layer_grad_norm", f"{M.GRAD_NORM_LAYER}/{x}")] for x in layers] == [str(i % 7) for i in range(40)]
+    assert where[("loss", M.LOSS)] == where[("grad_norm", M.GRAD_NORM)] == "0"
+    assert lines[("layer_grad_norm", f"{M.GRAD_NORM_LAYER}/h_39")] == pytest.approx({1: 0.1, 2: 0.2})
+    assert len(lines) == 2 + 2 * len(layers)
 
 
 def test_tensorboard_line_runs_fail_alone_and_training_goes_on(tmp_path):

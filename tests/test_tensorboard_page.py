@@ -79,11 +79,13 @@ def test_tensorboard_serves_the_layout_tags_and_action_lines(server):
     assert got == {cat: {t: spec[1] for t, spec in charts.items()} for cat, charts in tensorboard_layout().items()}
     tags = _get(server + "/data/plugin/scalars/tags")
     assert f"{M.LR_LOG10}/group0" in tags["."]  # the run's own keys are all there
-    # ... and a run per series of a multi-line chart, inside the run's folder, with that chart's tag
+    # ... and the line runs inside the run's folder (at most 7: a colour each), which hold the
+    # series of the multi-line charts, each under a tag of its own; a chart's series in different runs
     lines = {run: set(t) for run, t in tags.items() if run.startswith(LINES_DIR + "/")}
-    assert lines[f"{LINES_DIR}/lr_log10/lr_log10/group0"] == {f"{LINES_TAG}/lr_log10"}
-    assert lines[f"{LINES_DIR}/layer_grad_norm/grad_norm/fc1"] == {f"{LINES_TAG}/layer_grad_norm"}
-    assert set(tags) == {".", *lines}
+    assert set(tags) == {".", *lines} and set(lines) <= {f"{LINES_DIR}/{n}" for n in range(7)}
+    run_of = {tag: run for run, t in lines.items() for tag in t}
+    assert run_of[f"{LINES_TAG}/layer_grad_norm/grad_norm/fc1"] != run_of[f"{LINES_TAG}/layer_grad_norm/grad_norm/head"]
+    assert f"{LINES_TAG}/lr_log10/lr_log10/group0" in run_of
     scalars = set().union(*tags.values())
     for charts in got.values():
         for title, tags in charts.items():
@@ -246,8 +248,8 @@ def test_the_tensorboard_pages_show_gradguards_charts_and_actions_in_headless_ch
     try:
         browser.open(server + "/?darkMode=false#custom_scalars")
 
-        def series(chart: str, key: str) -> str:  # a line run's entry in a chart's "Matches" list
-            return f"{LINES_TAG}/{chart} ({LINES_DIR}/{chart}/{key[len('gradguard/'):]})"
+        def series(chart: str, key: str) -> str:  # a series' entry in a chart's "Matches" list: tag (run)
+            return f"{LINES_TAG}/{chart}/{key[len('gradguard/'):]} ({LINES_DIR}/"
 
         lr10 = series("lr_log10", f"{M.LR_LOG10}/group0")
         fc1, head = (series("layer_grad_norm", f"{M.GRAD_NORM_LAYER}/{layer}") for layer in ("fc1", "head"))
