@@ -32,12 +32,12 @@ def _regular(fd: int, path: str) -> None:
         raise OSError(_errno.EINVAL, "not a regular file (gradguard writes only its own regular files)", path)
 
 
-def open_append(path: str) -> IO[str]:
-    """``path`` opened for appending text, created if missing; a symlink or a non-regular file there
-    is an ``OSError`` (never followed)."""
+def open_append(path: str, binary: bool = False) -> IO[Any]:
+    """``path`` opened for appending text (bytes with ``binary``), created if missing; a symlink or a
+    non-regular file there is an ``OSError`` (never followed)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
     _regular(fd, path)
-    return os.fdopen(fd, "a", encoding="utf-8")
+    return os.fdopen(fd, "ab") if binary else os.fdopen(fd, "a", encoding="utf-8")
 
 
 def create_new(path: str, binary: bool = False) -> IO[Any]:

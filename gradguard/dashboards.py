@@ -14,7 +14,8 @@ from typing import Any
 
 from .names import M
 
-__all__ = ["Panel", "EVENT_POINTS", "ANY_PREFIX", "LR_CHART", "LR_LOG10_CHART", "panels", "tensorboard_layout", "wandb_workspace", "wandb_workspace_spec",
+__all__ = ["Panel", "EVENT_POINTS", "ANY_PREFIX", "LR_CHART", "LR_LOG10_CHART", "LINES_TAG", "LINES_DIR", "LINE_CHARTS",
+           "LINE_COLOURS", "panels", "line_charts", "tensorboard_layout", "wandb_workspace", "wandb_workspace_spec",
            "create_wandb_workspace", "WORKSPACE_NAME"]
 
 WORKSPACE_NAME = "gradguard: training stability"
@@ -78,35 +79,82 @@ ANY_PREFIX = "(?:[^/]+/)?"
 """What the TensorBoard layout allows before ``gradguard/``: nothing (plain loop, Lightning) or one
 engine namespace (HF's ``train/``)."""
 
+LINES_DIR = "gradguard-lines"
+"""TensorBoard: the folder of the line runs inside the run's folder, ``<run>/gradguard-lines/<0-6>``
+(a name no ``import`` can reach)."""
+LINES_TAG = "gradguard-lines"
+"""TensorBoard: what the tags of the line runs begin with, ``gradguard-lines/<chart>/<key without
+gradguard/>`` (a tag group of its own, apart from the run's ``gradguard/...`` keys)."""
+LINE_COLOURS = 7
+"""TensorBoard's palette (``tensorboardColorBlindAssist``): 7 colours, handed out by run."""
 
-def tensorboard_layout(prefix: str = "") -> dict[str, dict[str, list[Any]]]:
-    """The custom-scalars layout (``SummaryWriter.add_custom_scalars``): one category per section,
-    one multiline chart per panel (TensorBoard treats every tag as a regular expression).
+LINE_CHARTS = {
+    "loss with gradguard's events": "loss",
+    "total grad norm vs clip threshold": "grad_norm",
+    LR_CHART: "lr",
+    LR_LOG10_CHART: "lr_log10",
+    "overflows, skipped steps, findings": "counts",
+    "actions over time (cumulative)": "actions",
+    "every event (one series per name)": "events",
+    "per-layer grad norm": "layer_grad_norm",
+    "per-layer update/weight ratio": "layer_update_ratio",
+    "per-layer parameter norm": "layer_param_norm",
+}
+"""TensorBoard's multi-line charts (title: name). TensorBoard colours the lines of a custom-scalars
+chart by run, so the series of one run would share a colour: the n-th series of each of these
+charts is also written into the line run ``<run>/gradguard-lines/<n mod 7>`` under the tag
+``gradguard-lines/<chart>/<key without gradguard/>``, which the chart draws (see
+:mod:`gradguard._tblines`). The run's own keys stay as they are; the other charts hold one series
+and draw them."""
 
-    The layout is the same for every engine: each tag accepts an optional engine namespace before
-    ``gradguard/`` (``prefix`` is accepted and ignored). TensorBoard merges the layouts of all runs
-    in a folder, dropping identical charts, so runs of the plain loop, Lightning and HF
-    (``train/gradguard/...``) in one folder share one set of charts instead of doubling them.
 
-    What a layout cannot say: TensorBoard's custom-scalars layout holds only tag expressions per
-    chart. Colours are TensorBoard's own, one per series (run and tag) in a multiline chart, and the
-    y axis is linear: switch a chart to a log axis with its "log scale" toggle (the grad norm,
-    loss scale and per-layer charts read best on one; the W&B workspace sets it). For the LR the
-    layout has a chart of its own, :data:`LR_LOG10_CHART`, right after "applied vs scheduled LR":
-    ``gradguard/lr_log10/group<i>``, the log10 of the applied LR, which reads as the LR on a log
-    axis (-3 is 1e-3; an LR cut x0.1 is a step of -1)."""
-    out: dict[str, dict[str, list[Any]]] = {}
+def _tb_charts() -> list[tuple[str, str, list[str], str | None]]:
+    """Every TensorBoard chart, in layout order: (section, title, keys, regex), without prefix."""
+    out: list[tuple[str, str, list[str], str | None]] = []
     for panel in panels(""):
         if panel.table:
             continue  # a W&B table: TensorBoard has the event tags in "every event (one series per name)"
-        if panel.regex:
-            tags = ["^" + ANY_PREFIX + panel.regex[1:]]
-        else:
-            tags = ["^" + ANY_PREFIX + re.escape(n) + "$" for n in panel.y]
-        out.setdefault(panel.section, {})[panel.title] = ["Multiline", tags]
+        out.append((panel.section, panel.title, list(panel.y), panel.regex))
         if panel.title == LR_CHART:
-            out[panel.section][LR_LOG10_CHART] = ["Multiline", ["^" + ANY_PREFIX + re.escape(M.LR_LOG10)
-                                                                + r"/group\d+$"]]
+            out.append((panel.section, LR_LOG10_CHART, [], "^" + re.escape(M.LR_LOG10) + r"/group\d+$"))
+    return out
+
+
+def line_charts(key: str) -> list[str]:
+    """The names (:data:`LINE_CHARTS`) of the multi-line charts that draw ``key`` (without prefix)."""
+    return [LINE_CHARTS[title] for _, title, keys, regex in _tb_charts()
+            if title in LINE_CHARTS and (key in keys or (regex is not None and re.search(regex, key)))]
+
+
+def tensorboard_layout(prefix: str = "", lines: bool = True) -> dict[str, dict[str, list[Any]]]:
+    """The custom-scalars layout (``SummaryWriter.add_custom_scalars``): one category per section,
+    one multiline chart per panel (TensorBoard treats every tag as a regular expression).
+
+    The layout is the same for every engine (``prefix`` is accepted and ignored). TensorBoard
+    merges the layouts of all runs in a folder, dropping identical charts, so runs of the plain
+    loop, Lightning and HF (``train/gradguard/...``) in one folder share one set of charts instead
+    of doubling them.
+
+    Colours: TensorBoard colours lines by run. With ``lines`` (what ``TensorBoardSink`` writes) each
+    multi-line chart (:data:`LINE_CHARTS`) draws the tags ``gradguard-lines/<name>/...``, whose
+    series sit in 7 line runs, one colour each; a chart of one series draws the run's own key, with
+    an optional engine namespace before ``gradguard/``. ``lines=False``: every chart draws the
+    run's own keys (the series of one run share a colour, told apart by marker shape).
+
+    What a layout cannot say: no axis settings, the y axis is linear: switch a chart to a log axis
+    with its "log scale" toggle (the grad norm, loss scale and per-layer charts read best on one; the
+    W&B workspace sets it). For the LR the layout has a chart of its own, :data:`LR_LOG10_CHART`,
+    right after "applied vs scheduled LR": ``gradguard/lr_log10/group<i>``, the log10 of the applied
+    LR, which reads as the LR on a log axis (-3 is 1e-3; an LR cut x0.1 is a step of -1)."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for section, title, keys, regex in _tb_charts():
+        if lines and title in LINE_CHARTS:
+            tags = ["^" + re.escape(f"{LINES_TAG}/{LINE_CHARTS[title]}/")]
+        elif regex:
+            tags = ["^" + ANY_PREFIX + regex[1:]]
+        else:
+            tags = ["^" + ANY_PREFIX + re.escape(n) + "$" for n in keys]
+        out.setdefault(section, {})[title] = ["Multiline", tags]
     return out
 
 

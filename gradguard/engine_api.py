@@ -182,6 +182,11 @@ class EngineAPI:
         """Send a row to the engine-bound sinks only (the per-layer values kept off an engine's printed log)."""
         self.reporter.send_live(step, metrics)
 
+    def engine_logged(self, step: int, metrics: dict[str, float]) -> None:
+        """The engine logged gradguard's ``metrics`` (no prefix) itself at ``step`` (HF's logs, written by
+        its ``report_to`` integrations): the engine-bound sinks add what they draw from them."""
+        self.reporter.engine_logged(step, metrics)
+
     def add_live_sinks(self, sinks: list[Sink]) -> None:
         """Add sinks an adapter built around the engine's own run or writer (after construction)."""
         self.reporter.add_sinks(sinks)

@@ -128,16 +128,17 @@ def _fs(path: str) -> tuple[Any, str]:
     return fs, p
 
 
-def open_append(path: str) -> IO[str]:
-    """A text file opened for appending; remote paths through fsspec (the parent folder is created)."""
+def open_append(path: str, binary: bool = False) -> IO[Any]:
+    """A text file (bytes with ``binary``) opened for appending; remote paths through fsspec (the
+    parent folder is created)."""
     if is_url(path):
         fs, p = _fs(path)
         parent = p.rsplit("/", 1)[0]
         if parent:
             fs.makedirs(parent, exist_ok=True)
-        return fs.open(p, "a", encoding="utf-8")
+        return fs.open(p, "ab") if binary else fs.open(p, "a", encoding="utf-8")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    return _io.open_append(path)  # never through a symlink planted at the log's name
+    return _io.open_append(path, binary)  # never through a symlink planted at the log's name
 
 
 def write_text(path: str, text: str) -> None:

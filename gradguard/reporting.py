@@ -146,6 +146,13 @@ class Reporter:
                 if s.engine_bound:
                     self._call(s, "log_metrics", step, metrics)
 
+    def engine_logged(self, step: int, metrics: dict[str, float]) -> None:
+        """The engine logged ``metrics`` itself at ``step``: tell the engine-bound sinks."""
+        if metrics:
+            for s in self.sinks:
+                if s.engine_bound:
+                    self._call(s, "engine_logged", step, metrics)
+
     def end_step(self, step: int) -> None:
         for s in self.sinks:
             self._call(s, "end_step", step)

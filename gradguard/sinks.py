@@ -94,6 +94,10 @@ class Sink:
     def end_step(self, step: int) -> None:  # noqa: B027
         """Called once per optimizer step after its events (buffered output may be flushed)."""
 
+    def engine_logged(self, step: int, metrics: dict[str, float]) -> None:  # noqa: B027
+        """An ``engine_bound`` sink only: the engine itself logged ``metrics`` (gradguard's keys, no
+        prefix) at ``step`` (HF's ``report_to`` integrations write the Trainer's logs)."""
+
     def close(self, summary: dict[str, Any] | None = None) -> None:  # noqa: B027
         pass
 
@@ -411,12 +415,19 @@ class TensorBoardSink(Sink):
     the guard's step to the engine's step. The cumulative per-action counts are scalars
     (``gradguard/action/<name>``). Once per run the sink writes the "training stability"
     custom-scalars layout (:func:`gradguard.dashboards.tensorboard_layout`, the CUSTOM SCALARS tab);
-    ``layout=False`` leaves the writer's layout alone."""
+    ``layout=False`` leaves the writer's layout alone.
+
+    ``lines`` (default): a colour per series in the multi-line charts. TensorBoard colours lines by
+    run, so the series of those charts are also written into at most 7 runs inside the run's
+    folder, ``<run>/gradguard-lines/<0-6>``, the n-th series of a chart in run ``n mod 7`` under
+    the tag ``gradguard-lines/<chart>/<key without gradguard/>`` (as ``add_scalars`` does, bounded;
+    see :mod:`gradguard._tblines`: no extra thread, no file left open), and the layout draws those.
+    ``lines=False``: one run, the layout draws its keys (one colour per run)."""
 
     TEXT_TAG = "gradguard/events"
 
     def __init__(self, log_dir: str | None = None, flush_secs: int = 10, *, writer: Any = None, prefix: str = "",
-                 step_fn: Any = None, layout: bool = True) -> None:
+                 step_fn: Any = None, layout: bool = True, lines: bool = True) -> None:
         self.prefix = prefix
         self.step_fn = step_fn
         self.owns_writer = writer is None
@@ -432,13 +443,25 @@ class TensorBoardSink(Sink):
                 raise ImportError("gradguard: TensorBoardSink needs tensorboard. "
                                   "Fix: pip install 'gradguard[tensorboard]'") from exc
             writer = SummaryWriter(log_dir=log_dir, flush_secs=flush_secs)
-        self.log_dir = log_dir if log_dir is not None else getattr(writer, "log_dir", None)
+        self.log_dir = log_dir if log_dir is not None else _writer_dir(writer)
         self._writer: Any = writer
         self._lines: tuple[int, list[str]] | None = None  # (step, the step's action lines not yet written)
+        #: the line runs (None: ``lines=False``, or no folder known, or no tensorboard protos)
+        self.line_runs: Any = self._line_runs(flush_secs) if lines else None
         if layout:
             from .dashboards import tensorboard_layout
 
-            self._writer.add_custom_scalars(tensorboard_layout(prefix))
+            self._writer.add_custom_scalars(tensorboard_layout(prefix, lines=self.line_runs is not None))
+
+    def _line_runs(self, flush_secs: float) -> Any:
+        if not self.log_dir:
+            return None
+        try:
+            from ._tblines import LineRuns
+
+            return LineRuns(str(self.log_dir), flush_secs=flush_secs)
+        except ImportError:  # a tensorboardX writer without tensorboard: one colour per run
+            return None
 
     def _x(self, step: int) -> int:
         return int(self.step_fn(step)) if self.step_fn is not None else int(step)
@@ -451,6 +474,13 @@ class TensorBoardSink(Sink):
             self._writer.add_scalar(self.prefix + k, float(v), global_step=x)
         if not self.owns_writer:
             self._writer.flush()
+        if self.line_runs is not None:
+            self.line_runs.add(x, metrics)  # after the run's own keys: an OSError here leaves them written
+
+    def engine_logged(self, step: int, metrics: dict[str, float]) -> None:
+        """The engine wrote ``metrics`` into this writer itself (HF's ``report_to``): only their line runs."""
+        if self._writer is not None and self.line_runs is not None:
+            self.line_runs.add(self._x(step), metrics)
 
     def log_event(self, event: dict[str, Any]) -> None:
         if self._writer is None or event.get("type") not in ("action", "halt"):
@@ -483,15 +513,28 @@ class TensorBoardSink(Sink):
     def close(self, summary: dict[str, Any] | None = None) -> None:
         if self._writer is None:
             return
-        self._flush_text()
-        if summary:
-            self._writer.add_text(self.prefix + "gradguard/summary", "```\n" + json.dumps(_clean(summary), indent=1,
-                                                                                      default=str) + "\n```",
-                                  global_step=self._x(int(summary.get("steps", 0) or 0)))
-        self._writer.flush()
-        if self.owns_writer:
-            self._writer.close()
-        self._writer = None
+        try:
+            self._flush_text()
+            if summary:
+                text = "```\n" + json.dumps(_clean(summary), indent=1, default=str) + "\n```"
+                self._writer.add_text(self.prefix + "gradguard/summary", text,
+                                      global_step=self._x(int(summary.get("steps", 0) or 0)))
+            self._writer.flush()
+            if self.owns_writer:
+                self._writer.close()
+        finally:
+            self._writer = None
+            if self.line_runs is not None:
+                self.line_runs.close()
+
+
+def _writer_dir(writer: Any) -> str | None:
+    """The folder of a ``SummaryWriter`` (torch's ``log_dir``, tensorboardX's ``logdir``)."""
+    for name in ("log_dir", "logdir"):
+        value = getattr(writer, name, None)
+        if isinstance(value, str) and value:
+            return value
+    return None
 
 
 def _flatten(prefix: str, d: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:

@@ -13,11 +13,11 @@ import torch
 
 import gradguard as gg
 from gradguard.cli import main as cli_main
-from gradguard.dashboards import EVENT_POINTS, panels, tensorboard_layout
+from gradguard.dashboards import EVENT_POINTS, LINES_TAG, panels, tensorboard_layout
 from gradguard.sinks import M
 
 from .conftest import TinyNet, make_batch
-from .test_sinks import _read_wandb_run
+from .test_sinks import _line_runs, _read_wandb_run
 
 FIXED = {v for k, v in vars(M).items() if k.isupper() and isinstance(v, str)}
 FAMILIES = (M.GRAD_NORM_LAYER, M.PARAM_NORM_LAYER, M.UPDATE_RATIO_LAYER, M.LR, M.LR_LOG10, M.LR_SCHEDULED, M.ACTION,
@@ -150,7 +150,9 @@ def test_the_dashboards_match_a_real_runs_keys_in_wandb_and_tensorboard(wandb_of
     got = {c.title: {ch.title: list(ch.multiline.tag) for ch in c.chart} for c in layout.category}
     want = {cat: {title: spec[1] for title, spec in charts.items()} for cat, charts in tensorboard_layout().items()}
     assert got == want
-    scalars = set(acc.Tags()["scalars"])
+    # the run's own keys and the line runs' tags (a run per series of a multi-line chart)
+    scalars = set(acc.Tags()["scalars"]) | {f"{LINES_TAG}/{chart}/{key[len('gradguard/'):]}"
+                                            for chart, key in _line_runs(tmp_path / "tb")}
     for charts in got.values():
         for title, tags in charts.items():
             if title != "loss scale (fp16)":

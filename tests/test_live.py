@@ -25,6 +25,7 @@ import torch
 import gradguard as gg
 from gradguard.sinks import M, is_headline
 
+from .test_sinks import _line_runs
 from .wandb_log import read_runs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -342,6 +343,9 @@ def test_lightning_logger_calls_follow_log_every_n_steps(tmp_path):
     acc.Reload()
     assert [e.step for e in acc.Scalars(M.GRAD_NORM)] == [3, 7, 11]
     assert [e.step for e in acc.Scalars("train_loss")] == [3, 7, 11]
+    # the line runs (a colour per series) in the logger's version folder, the same points
+    lines = _line_runs(tb.log_dir)
+    assert lines[("grad_norm", M.GRAD_NORM)] == pytest.approx({e.step: e.value for e in acc.Scalars(M.GRAD_NORM)})
 
 
 # -- plain loop -----------------------------------------------------------------------------------
@@ -602,6 +606,8 @@ def test_hf_gradguard_loss_is_the_steps_loss_in_every_sink_and_the_print_switch(
     tb_loss = {e.step: e.value for e in acc.Scalars("train/" + M.LOSS)}
     tb_mean = {e.step: e.value for e in acc.Scalars("train/" + M.LOSS_WINDOW_MEAN)}
     assert sorted(tb_loss) == [5, 10, 15, 20]
+    # the Trainer writes these rows itself: the line runs (a colour per series) get the same points
+    assert _line_runs(tmp_path / "tb")[("loss", M.LOSS)] == pytest.approx(tb_loss)
     for step, value in tb_loss.items():
         assert value == pytest.approx(jsonl_loss[step], rel=1e-6)
         window = [jsonl_loss[s] for s in range(step - 4, step + 1)]
@@ -639,3 +645,10 @@ def test_every_sink_writes_the_same_value_for_the_same_key_at_the_same_step(wand
             checked += 1
     assert checked > 100
     assert any(key.startswith(M.LR_LOG10 + "/") for _, m in mem.metrics for key in m)  # the LR's log10 too
+    # TensorBoard's line runs (a run per series of a multi-line chart): the same value, key and step
+    lines = _line_runs(tmp_path / "tb")
+    for (chart, key), points in lines.items():
+        for step, t in points.items():
+            want = float(dict(mem.metrics)[step][key])
+            assert (math.isnan(t) and math.isnan(want)) or t == pytest.approx(want, rel=1e-6, abs=1e-7), (chart, key)
+    assert sum(map(len, lines.values())) > 100

@@ -73,6 +73,28 @@ def test_tensorboard_sink_round_trip(tmp_path):
         for step, v in want.items():
             assert _same(got[step], v), (key, step, got[step], v)
     assert math.isnan(dict((e.step, e.value) for e in acc.Scalars(M.LOSS))[NAN_STEP])
+    # the line runs of the multi-line charts (a colour per series): every key of those charts, the
+    # same values at the same steps; a key of two charts (an event point) is in both
+    from gradguard.dashboards import line_charts
+
+    lines = _line_runs(tb_dir)
+    logged = {k for _, m in mem.metrics for k in m}
+    assert set(lines) == {(chart, k) for k in logged for chart in line_charts(k)}
+    assert {("layer_grad_norm", f"{M.GRAD_NORM_LAYER}/fc1"), ("grad_norm", M.GRAD_NORM), ("loss", M.LOSS),
+            ("loss", f"{M.EVENT}/rollback"), ("events", f"{M.EVENT}/rollback"), ("lr_log10", f"{M.LR_LOG10}/group0"),
+            ("lr", f"{M.LR}/group0"), ("lr", f"{M.LR_SCHEDULED}/group0")} <= set(lines)
+    assert not [k for _, k in lines if k in (M.LR_MULT, M.LEVEL)]  # one-series charts draw the run's own key
+    for (chart, key), got in lines.items():
+        want = _expected(mem, key)
+        assert sorted(got) == sorted(want), (chart, key)
+        assert all(_same(got[s], v) for s, v in want.items()), (chart, key)
+    # each chart's series sit in different runs (a colour each), at most 7 runs
+    where = {}
+    _line_runs(tb_dir, where)
+    for chart in {c for c, _ in where}:
+        runs = [run for (c, _), run in where.items() if c == chart]
+        assert len(set(runs)) == len(runs), (chart, where)
+    assert set(where.values()) <= {str(n) for n in range(7)}
     # the LR on a log axis (custom scalars have none): log10 of the applied LR, at every step the LR has
     lr = {e.step: e.value for e in acc.Scalars(f"{M.LR}/group0")}
     lr10 = {e.step: e.value for e in acc.Scalars(f"{M.LR_LOG10}/group0")}
@@ -93,6 +115,30 @@ def _tb(path):
     acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     return acc
+
+
+def _line_runs(run_dir, where=None):
+    """The line runs of a TensorBoard run folder: ``{(chart, key): {step: value}}`` from the tags
+    ``gradguard-lines/<chart>/<key without gradguard/>`` of the runs ``gradguard-lines/<n>``;
+    ``where`` (a dict) gets each series' run ``n``."""
+    import os
+
+    from gradguard.dashboards import LINES_DIR, LINES_TAG
+
+    root = os.path.join(str(run_dir), LINES_DIR)
+    out = {}
+    for folder, _, files in os.walk(root):
+        if not any("tfevents" in f for f in files):
+            continue
+        acc = _tb(folder)
+        for tag in acc.Tags()["scalars"]:
+            assert tag.startswith(LINES_TAG + "/"), (folder, tag)
+            chart, label = tag[len(LINES_TAG) + 1:].split("/", 1)
+            assert (chart, "gradguard/" + label) not in out, tag  # a series is in one run only
+            out[(chart, "gradguard/" + label)] = {e.step: e.value for e in acc.Scalars(tag)}
+            if where is not None:
+                where[(chart, "gradguard/" + label)] = os.path.relpath(folder, root)
+    return out
 
 
 def test_tensorboard_text_is_one_line_per_action(tmp_path):
@@ -116,18 +162,20 @@ def test_tensorboard_text_is_one_line_per_action(tmp_path):
 
 def test_tensorboard_layout_is_one_set_of_charts_for_every_engine(tmp_path):
     """Runs of the plain loop (no prefix) and of HF (``train/``) in one folder: their layouts are
-    identical (TensorBoard merges identical charts, so nothing is doubled) and each chart draws
-    both runs' keys; the total grad norm is not among the per-layer lines."""
+    identical (TensorBoard merges identical charts, so nothing is doubled); each multi-line chart
+    draws one tag, written by the line runs inside each run's own folder (so each run's series have
+    colours of their own, none drawn twice); a one-series chart draws both runs' keys; the total
+    grad norm is not among the per-layer lines."""
     import re
 
     from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 
-    from gradguard.dashboards import tensorboard_layout
+    from gradguard.dashboards import LINES_TAG, tensorboard_layout
 
     plain = gg.TensorBoardSink(str(tmp_path / "runs" / "plain"))
     hf = gg.TensorBoardSink(str(tmp_path / "runs" / "hf"), prefix="train/")
     for sink in (plain, hf):
-        sink.log_metrics(1, {M.LOSS: 2.0, M.GRAD_NORM: 1.0, f"{M.GRAD_NORM_LAYER}/fc1": 0.5})
+        sink.log_metrics(1, {M.LOSS: 2.0, M.GRAD_NORM: 1.0, f"{M.GRAD_NORM_LAYER}/fc1": 0.5, M.LR_MULT: 1.0})
         sink.close()
     layouts = []
     for run in ("plain", "hf"):
@@ -135,14 +183,105 @@ def test_tensorboard_layout_is_one_set_of_charts_for_every_engine(tmp_path):
         layout = layout_pb2.Layout()
         layout.ParseFromString(cfg.tensor_proto.string_val[0])
         layouts.append(layout)
+        assert _line_runs(tmp_path / "runs" / run) == {
+            ("loss", M.LOSS): {1: 2.0}, ("grad_norm", M.GRAD_NORM): {1: 1.0},
+            ("layer_grad_norm", f"{M.GRAD_NORM_LAYER}/fc1"): {1: 0.5}}
     assert layouts[0] == layouts[1]
-    charts = tensorboard_layout()
-    for key in (M.LOSS, M.GRAD_NORM):
+    charts = {title: tags for c in tensorboard_layout().values() for title, (_, tags) in c.items()}
+    assert charts["loss with gradguard's events"] == ["^" + re.escape(LINES_TAG + "/loss/")]
+    assert charts["per-layer grad norm"] == ["^" + re.escape(LINES_TAG + "/layer_grad_norm/")]
+    (loss_chart,) = charts["loss with gradguard's events"]
+    assert not re.match(loss_chart, f"{LINES_TAG}/lr/lr/group0")
+    (mult,) = charts["LR multiplier"]
+    assert re.match(mult, M.LR_MULT) and re.match(mult, "train/" + M.LR_MULT)
+    # the run's own keys are drawn by no multi-line chart (no line twice, no one-colour series)
+    for key in (M.LOSS, M.GRAD_NORM, f"{M.GRAD_NORM_LAYER}/fc1"):
         for prefix in ("", "train/"):
-            assert any(re.match(t, prefix + key) for c in charts.values() for _, tags in c.values() for t in tags)
-    (per_layer,) = charts["gradguard: per layer"]["per-layer grad norm"][1]
+            assert not any(re.match(t, prefix + key) for tags in charts.values() for t in tags), key
+    # lines=False: one run, the charts draw its keys (with the engine's prefix or none)
+    plain_layout = {title: tags for c in tensorboard_layout(lines=False).values() for title, (_, tags) in c.items()}
+    (per_layer,) = plain_layout["per-layer grad norm"]
     assert re.match(per_layer, f"train/{M.GRAD_NORM_LAYER}/fc1") and re.match(per_layer, f"{M.GRAD_NORM_LAYER}/fc1")
     assert not re.match(per_layer, M.GRAD_NORM) and not re.match(per_layer, "train/" + M.GRAD_NORM)
+
+
+def test_tensorboard_line_runs_switch_engine_writer_and_files(tmp_path):
+    """``lines=False``: no line runs, the layout draws the run's keys. With an engine's writer the
+    line runs go inside the writer's folder, at the engine's x; ``engine_logged`` (what HF's
+    integrations write themselves) reaches only the line runs. No file stays open between flushes."""
+    import os
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from gradguard.dashboards import LINES_DIR, tensorboard_layout
+
+    off = gg.TensorBoardSink(str(tmp_path / "off"), lines=False)
+    off.log_metrics(1, {M.LOSS: 1.0})
+    off.close()
+    assert off.line_runs is None and not os.path.exists(tmp_path / "off" / LINES_DIR)
+
+    writer = SummaryWriter(str(tmp_path / "engine"))
+    sink = gg.TensorBoardSink(writer=writer, prefix="train/", step_fn=lambda step: step * 10, layout=False)
+    sink.line_runs.flush_secs = 0  # append at every row
+    sink.log_metrics(1, {f"{M.GRAD_NORM_LAYER}/fc1": 0.5, M.LR_MULT: 1.0})
+    sink.engine_logged(2, {f"{M.GRAD_NORM_LAYER}/fc1": 0.25, M.LOSS: 3.0})
+    fds = os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else None
+    opened = [os.readlink(f"/proc/self/fd/{fd}") for fd in fds or []
+              if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert not [p for p in opened if LINES_DIR in p]
+    sink.close()
+    writer.close()
+    assert _line_runs(tmp_path / "engine") == {("layer_grad_norm", f"{M.GRAD_NORM_LAYER}/fc1"): {10: 0.5, 20: 0.25},
+                                               ("loss", M.LOSS): {20: 3.0}}
+    main = _tb(tmp_path / "engine")
+    assert main.Tags()["scalars"] == [f"train/{M.GRAD_NORM_LAYER}/fc1", f"train/{M.LR_MULT}"]  # the engine's own rows
+    assert tensorboard_layout(lines=False) != tensorboard_layout()
+
+
+def test_tensorboard_line_runs_are_at_most_seven_runs(tmp_path):
+    """40 layers: the per-layer series go to 7 line runs (TensorBoard's 7 colours), the n-th
+    series of a chart to run n mod 7, in the order the keys first came; a run of the guard adds at
+    most 7 runs, so a folder of several runs stays under TensorBoard's 40 runs enabled by default."""
+    import os
+
+    from gradguard.dashboards import LINES_DIR
+
+    sink = gg.TensorBoardSink(str(tmp_path / "tb"))
+    layers = [f"h_{i}" for i in range(40)]
+    for step in (1, 2):
+        sink.log_metrics(step, {M.LOSS: 1.0, M.GRAD_NORM: 2.0, **{f"{M.GRAD_NORM_LAYER}/{x}": 0.1 * step for x in layers},
+                                **{f"{M.UPDATE_RATIO_LAYER}/{x}": 1e-3 for x in layers}})
+    sink.close()
+    where = {}
+    lines = _line_runs(tmp_path / "tb", where)
+    assert sorted(os.listdir(tmp_path / "tb" / LINES_DIR)) == [str(n) for n in range(7)]
+    assert [where[("layer_grad_norm", f"{M.GRAD_NORM_LAYER}/{x}")] for x in layers] == [str(i % 7) for i in range(40)]
+    assert where[("loss", M.LOSS)] == where[("grad_norm", M.GRAD_NORM)] == "0"
+    assert lines[("layer_grad_norm", f"{M.GRAD_NORM_LAYER}/h_39")] == pytest.approx({1: 0.1, 2: 0.2})
+    assert len(lines) == 2 + 2 * len(layers)
+
+
+def test_tensorboard_line_runs_fail_alone_and_training_goes_on(tmp_path):
+    """An I/O error in the line runs: one warning and one ``sink_error`` event (in the event log);
+    the line runs are off, the run's own scalars, text and summary go on to the end."""
+    from gradguard import _io
+    from gradguard.dashboards import LINES_DIR
+
+    tb = gg.TensorBoardSink(str(tmp_path / "tb"))
+    tb.line_runs.flush_secs = 0
+    fault = _io.add_fault(_io.IOFault(str(tmp_path / "tb" / LINES_DIR)))
+    try:
+        with pytest.warns(UserWarning, match="TensorBoard line runs under .* are off") as caught:
+            mem = _run_guard(tmp_path, tb)
+    finally:
+        _io.remove_fault(fault)
+    assert len([w for w in caught if "line runs" in str(w.message)]) == 1
+    errors = [e for e in mem.events if e["type"] == "sink_error"]
+    assert len(errors) == 1 and errors[0]["sink"] == "TensorBoardSink" and "line runs" in errors[0]["error"]
+    assert tb.line_runs.error is not None and _line_runs(tmp_path / "tb") == {}
+    acc = _tb(tmp_path / "tb")
+    assert sorted(e.step for e in acc.Scalars(M.LOSS)) == sorted(_expected(mem, M.LOSS))
+    assert [t for t in acc.Tags()["tensors"] if t.startswith("gradguard/summary")]
 
 
 def test_tensorboard_sink_missing_dependency(monkeypatch, tmp_path):

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 
 import gradguard as gg
-from gradguard.dashboards import LR_LOG10_CHART, tensorboard_layout
+from gradguard.dashboards import LINE_CHARTS, LINES_DIR, LINES_TAG, LR_LOG10_CHART, tensorboard_layout
 from gradguard.sinks import M
 
 from .test_sinks import NAN_STEP, _run_guard
@@ -77,8 +77,16 @@ def test_tensorboard_serves_the_layout_tags_and_action_lines(server):
     layout = _get(server + "/data/plugin/custom_scalars/layout")
     got = {c["title"]: {ch["title"]: ch["multiline"]["tag"] for ch in c["chart"]} for c in layout["category"]}
     assert got == {cat: {t: spec[1] for t, spec in charts.items()} for cat, charts in tensorboard_layout().items()}
-    scalars = set(_get(server + "/data/plugin/scalars/tags")["."])
-    assert f"{M.LR_LOG10}/group0" in scalars
+    tags = _get(server + "/data/plugin/scalars/tags")
+    assert f"{M.LR_LOG10}/group0" in tags["."]  # the run's own keys are all there
+    # ... and the line runs inside the run's folder (at most 7: a colour each), which hold the
+    # series of the multi-line charts, each under a tag of its own; a chart's series in different runs
+    lines = {run: set(t) for run, t in tags.items() if run.startswith(LINES_DIR + "/")}
+    assert set(tags) == {".", *lines} and set(lines) <= {f"{LINES_DIR}/{n}" for n in range(7)}
+    run_of = {tag: run for run, t in lines.items() for tag in t}
+    assert run_of[f"{LINES_TAG}/layer_grad_norm/grad_norm/fc1"] != run_of[f"{LINES_TAG}/layer_grad_norm/grad_norm/head"]
+    assert f"{LINES_TAG}/lr_log10/lr_log10/group0" in run_of
+    scalars = set().union(*tags.values())
     for charts in got.values():
         for title, tags in charts.items():
             drawn = any(re.search(t, s) for t in tags for s in scalars)
@@ -87,6 +95,13 @@ def test_tensorboard_serves_the_layout_tags_and_action_lines(server):
     assert tag in _get(server + "/data/plugin/text/tags")["."]
     (entry,) = [e for e in _get(f"{server}/data/plugin/text/text?run=.&tag={tag}") if e["step"] == NAN_STEP]
     assert [a in entry["text"] for a in ACTIONS] == [True] * 3 and entry["text"].count("<br") == 2
+
+
+def _rgb(colour: str) -> str:
+    """A CSS colour (``#rrggbb`` or ``rgb(r, g, b)``) as ``rgb(r, g, b)``."""
+    if colour.startswith("#") and len(colour) == 7:
+        return "rgb({}, {}, {})".format(*(int(colour[i:i + 2], 16) for i in (1, 3, 5)))
+    return colour.replace(" ", "").replace(",", ", ")
 
 
 class Chromium:
@@ -160,6 +175,30 @@ class Chromium:
                 return text
             time.sleep(0.5)
 
+    # every custom-scalars chart card: its title, the series of its "Matches" list (less the marker
+    # symbol) with the colour TensorBoard gives each, and the stroke colours of the lines in its SVG
+    CHARTS = """(() => { const cards = []; const walk = (n) => { if (n.shadowRoot) walk(n.shadowRoot);
+      for (const c of n.children || []) { if (c.localName === 'tf-custom-scalar-multi-line-chart-card') cards.push(c);
+        walk(c); } }; walk(document);
+      return cards.map((card) => { const root = card.shadowRoot; const strokes = [];
+        const lines = (n) => { if (n.shadowRoot) lines(n.shadowRoot); for (const c of n.children || []) {
+          const stroke = c.getAttribute('stroke') || c.style.stroke;
+          if (c.localName === 'path' && c.classList.contains('line') && c.getAttribute('d') && stroke) strokes.push(stroke);
+          lines(c); } }; lines(root);
+        return {title: card.title, strokes,
+                series: [...root.querySelectorAll('.match-list-entry')].map((e) =>
+                  [e.textContent.replace(/\\s+/g, ' ').trim().replace(/^[^\\w.]+ /, ''), e.style.color])}; }); })()"""
+
+    def charts(self) -> dict[str, dict]:
+        """The chart cards by title (see ``CHARTS``); colours as ``rgb(r, g, b)``."""
+        res = self.send("Runtime.evaluate", {"expression": self.CHARTS, "returnByValue": True})
+        out = {}
+        for card in res.get("result", {}).get("value") or []:
+            card["strokes"] = [_rgb(c) for c in card["strokes"]]
+            card["series"] = {name: _rgb(colour) for name, colour in card["series"]}
+            out[card["title"]] = card
+        return out
+
     def screenshot(self, path: str) -> None:
         with open(path, "wb") as fh:
             fh.write(base64.b64decode(self.send("Page.captureScreenshot", {"format": "png"})["data"]))
@@ -178,6 +217,29 @@ class Chromium:
         os.close(self._r)
 
 
+def _check_colours(browser: Chromium, timeout: float = 60.0) -> None:
+    """A colour per series: in every multi-line chart the series of the "Matches" list have
+    different colours (TensorBoard colours by run: each series is a run of its own), and the lines
+    drawn in the chart's SVG have those colours (polled: the lines come after the list)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        cards = browser.charts()
+        per_layer = cards.get("per-layer grad norm", {"series": {}, "strokes": []})
+        drawn = set(per_layer["strokes"]) == set(per_layer["series"].values()) and len(per_layer["series"]) == 2
+        if drawn or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert drawn, per_layer  # fc1 and head: two lines drawn in the colours of the list ...
+    assert len(set(per_layer["strokes"])) == 2, per_layer  # ... two colours, not one
+    multi = 0
+    for title, card in cards.items():
+        colours = list(card["series"].values())
+        assert len(set(colours)) == len(colours), (title, card["series"])  # at most 7: TensorBoard's palette
+        assert set(card["strokes"]) <= set(colours), (title, card)
+        multi += title in LINE_CHARTS and len(colours) > 1
+    assert multi >= 6, cards  # loss + events, grad norm + clip, LR, counts, actions, events, per-layer
+
+
 def test_the_tensorboard_pages_show_gradguards_charts_and_actions_in_headless_chromium(server, tmp_path):
     if CHROMIUM is None:
         pytest.skip("chromium is not installed (CI installs it: apt-get install chromium)")
@@ -185,9 +247,15 @@ def test_the_tensorboard_pages_show_gradguards_charts_and_actions_in_headless_ch
     browser = Chromium(str(tmp_path / "profile"))
     try:
         browser.open(server + "/?darkMode=false#custom_scalars")
-        lr10 = f"{M.LR_LOG10}/group0"
-        page = browser.text_when(LR_LOG10_CHART, lr10, "per-layer parameter norm", f"{M.GRAD_NORM_LAYER}/fc1",
-                                 *(f"{M.ACTION}/{name}" for name in ACTIONS))
+
+        def series(chart: str, key: str) -> str:  # a series' entry in a chart's "Matches" list: tag (run)
+            return f"{LINES_TAG}/{chart}/{key[len('gradguard/'):]} ({LINES_DIR}/"
+
+        lr10 = series("lr_log10", f"{M.LR_LOG10}/group0")
+        fc1, head = (series("layer_grad_norm", f"{M.GRAD_NORM_LAYER}/{layer}") for layer in ("fc1", "head"))
+        page = browser.text_when(LR_LOG10_CHART, lr10, "per-layer parameter norm", fc1, head,
+                                 *(series("actions", f"{M.ACTION}/{name}") for name in ACTIONS),
+                                 *(series("events", f"{M.EVENT}/{name}") for name in ACTIONS))
         for title in [*tensorboard_layout(), *charts]:
             assert title in page, title
         # each chart lists the series it drew: the LR's log10 in its own chart, the per-layer lines
@@ -195,9 +263,9 @@ def test_the_tensorboard_pages_show_gradguards_charts_and_actions_in_headless_ch
         after = page[page.index(LR_LOG10_CHART):]
         assert after.index("Matches (1)") < after.index(lr10) < after.index("LR multiplier")
         per_layer = page[page.index("per-layer grad norm"):page.index("per-layer update/weight ratio")]
-        assert f"{M.GRAD_NORM_LAYER}/fc1" in per_layer and M.GRAD_NORM not in per_layer
-        for name in ACTIONS:
-            assert f"{M.ACTION}/{name}" in page and f"{M.EVENT}/{name}" in page
+        assert "Matches (2)" in per_layer and "grad_norm/total" not in per_layer
+        assert f"{M.LR_MULT} (.)" in page  # a one-series chart draws the run's own key
+        _check_colours(browser)
         shot = tmp_path / "custom_scalars.png"
         browser.screenshot(str(shot))
 

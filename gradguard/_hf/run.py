@@ -217,6 +217,9 @@ class HFRun:
             return  # evaluation and end-of-training summaries
         window, self.window_losses = self.window_losses, []
         add_to_logs(self.core, state, logs, window, self.layer_metrics)
+        # what the report_to integrations write from these logs (TensorBoard's line runs draw it too)
+        self.core.engine_logged(state.global_step, {k: float(v) for k, v in logs.items() if k.startswith("gradguard/")
+                                                     and isinstance(v, (int, float))})
 
     def train_end(self) -> None:
         if self.core is None:
