@@ -281,15 +281,15 @@ class LRConfig:
     the run tolerates: see ``GuardCore._ramp_position``), so the ramp cannot climb back to the LR
     that failed."""
 
-    early_down_factor: float = 0.1
+    early_down_factor: float = 0.03
     """'lower_lr' factor for an instability before the run learned anything (in the first
     ``detect.warmup_steps`` healthy steps with the loss never 10% below its first value, or a norm
-    takeover since the first steps): a blow-up from the start means the LR is far too high, and
-    recovery raises the LR again if the cut was too deep. A blow-up after progress (a warm-up ramp
-    overshooting) gets ``down_factor``. Not deeper by default: x0.03 harmed runs whose LR was 33x too
-    high through a warm-up (the takeover's rollback lands on weights the ramp already damaged, and
-    at 3% of the LR they do not recover; compound benchmark, ``warmup_overshoot``), and left models
-    whose best LR is 3x the usual well below it."""
+    takeover since the first steps): a blow-up from the start means the LR is grossly too high;
+    the rollback to the initial weights makes a deep cut cheap and recovery raises the LR again if
+    the cut was too deep. A blow-up after progress (a warm-up ramp overshooting) gets
+    ``down_factor``. The initial weights are kept for this (see ``recovery.snapshot_interval``).
+    (0.1 was measured: better for models whose best LR is 3x the usual, worse on the demo's
+    explosive run and the rescue benchmark: docs/benchmarks.md.)"""
 
     recover_ceiling: float = 0.5
     """Recovery never raises a multiplier above this fraction of the level that failed (until the
@@ -366,7 +366,9 @@ class RecoveryConfig:
     _path = "GuardConfig.recovery"
 
     snapshot_interval: int = 50
-    """Take a snapshot every this many applied steps (0 disables snapshots and rollback)."""
+    """Take a snapshot every this many applied steps (0 disables snapshots and rollback). During the
+    first interval the initial weights are kept beside the ring (one snapshot more than
+    ``ring_size``), so a run that blows up before it learned anything restarts from them."""
 
     ring_size: int = 2
     """How many healthy snapshots are kept."""

@@ -413,9 +413,17 @@ class GuardCore(EngineAPI):
 
     def _rollback_target(self, decision: Decision, report: StepReport) -> None:
         """A norm takeover found now began before its window: snapshots taken since then already
-        carry it, so the rollback goes to one from before (``not_after``)."""
+        carry it, so the rollback goes to one from before (``not_after``). An instability before the
+        run learned anything (:meth:`_early`) goes back to the initial weights while they are held
+        (pinned for the first ``recovery.snapshot_interval`` applied steps): every later state
+        carries the damage of the LR that was too high, and at the deep cut it does not heal (an LR
+        33x too high through a warm-up, rolled back to step 10: 3.080 against 2.868 unguarded;
+        restarted from the initial weights: 2.839)."""
         window = self.config.detect.takeover_window
         starts = [int(f.baseline) - window for f in report.findings if f.kind == NORM_TAKEOVER and f.baseline is not None]
+        initial = self.rollback.initial_step() if self._early_now else None
+        if initial is not None:  # the run never learned: every later state carries the bad LR's damage
+            starts.append(initial)
         for a in decision.actions:
             if a.name == "rollback" and starts:
                 a.params["not_after"] = max(0, min(starts))

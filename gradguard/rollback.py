@@ -78,6 +78,15 @@ class Rollback:
         """The initial (or resumed) weights, before any update: snapshotted once."""
         if self.snapshots is not None and not (self.snapshots.ring or self.snapshots.candidates):
             self.take(step)
+            self.snapshots.pinned = step
+
+    def initial_step(self) -> int | None:
+        """The step of the initial weights' snapshot while it is held (pinned for the first
+        ``recovery.snapshot_interval`` applied steps) and restorable, else None."""
+        ring = self.snapshots
+        if ring is None or ring.pinned is None:
+            return None
+        return ring.pinned if any(s.step == ring.pinned for s in ring.usable()) else None
 
     def take(self, step: int) -> None:
         """Snapshot the training state now (as after update ``step``)."""
@@ -142,6 +151,8 @@ class Rollback:
                                                             and applied_steps % dense == 0)
         if due:
             self.take(step)
+        if applied_steps >= rc.snapshot_interval and self.snapshots.pinned is not None:
+            self.snapshots.unpin()  # the run is past its first interval: the initial weights go
 
     def attach_checkpoints(self, source: CheckpointSource, sharded: bool) -> bool:
         """Use the engine's own checkpoints as the disk tier (not with sharded parameters: each

@@ -409,6 +409,9 @@ class SnapshotRing:
         self.confirm_steps = confirm_steps
         self.candidates: list[Snapshot] = []
         self.ring: list[Snapshot] = []
+        #: a snapshot's step kept beside the ring (not counted in ``ring_size``, never evicted) until
+        #: :meth:`unpin`: the initial weights, while the run may still turn out never to have learned
+        self.pinned: int | None = None
         self.extra: dict[str, tuple[Any, Any]] = {}  # name -> (get_state, set_state)
         # trainable parameters the optimizer steps that are not the model's (a learnable temperature):
         # not in the model's state, so snapshotted beside it and put back by a rollback too
@@ -552,11 +555,17 @@ class SnapshotRing:
                 keep.append(snap)
         dropped = [s for s in self.candidates if s not in keep and not s.confirmed]
         self.candidates = keep
-        while len(self.ring) > self.ring_size:
-            dropped.append(self.ring.pop(0))
+        while len([x for x in self.ring if x.step != self.pinned]) > self.ring_size:
+            dropped.append(self.ring.pop(next(i for i, x in enumerate(self.ring) if x.step != self.pinned)))
         for snap in dropped:
             self._release(snap)
         return confirmed
+
+    def unpin(self) -> None:
+        """Release the pinned snapshot: it is evicted like any other once the ring is full."""
+        self.pinned = None
+        while len(self.ring) > self.ring_size:
+            self._release(self.ring.pop(0))
 
     def _check_structure(self, step: int) -> None:
         """Parameter groups added (``add_param_group``) since the snapshots were taken: they can no
@@ -707,7 +716,11 @@ class SnapshotRing:
         for name, (_, set_state) in self.extra.items():
             if name in st:
                 set_state(copy.deepcopy(st[name]))
-        # candidates taken after the restored point describe a discarded future
+        # snapshots taken after the restored point describe a discarded future (a rollback to an
+        # older one than the newest: a quiet failure's drift, a run that never learned)
+        for later in [s for s in self.ring + self.candidates if s.step > snap.step]:
+            self._release(later)
+        self.ring = [s for s in self.ring if s.step <= snap.step]
         self.candidates = [s for s in self.candidates if s.step <= snap.step]
         self.restored += 1
         return snap

@@ -303,3 +303,43 @@ def test_a_takeover_late_in_the_decay_is_reported_not_acted_on():
         opt.zero_grad(set_to_none=True)
     assert not guard.core._late_in_decay()
     guard.close()
+
+
+def test_a_run_that_never_learned_restarts_from_its_initial_weights():
+    """An LR 33x too high through a 15-step warm-up: the final norm takes the gradient from the first
+    steps. By the time the takeover's window is full, the ring has moved past the initial weights,
+    and every later snapshot carries the ramp's damage. The initial weights stay pinned for the first
+    snapshot interval, so the rollback restarts the run from them (before the pin it went to step 10,
+    and the run ended worse than unguarded)."""
+    from gradguard.demo_model import ByteBatches, TinyGPT, evaluate, load_corpus
+
+    data = ByteBatches(load_corpus(), 32)
+
+    def train(guarded: bool) -> tuple[float, list[gg.Action]]:
+        torch.manual_seed(8452)
+        model = TinyGPT(n_layer=2, width=64, n_head=4, seq_len=32)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.9, 0.95), weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: (s + 1) / 15 if s < 15 else 0.5 * (1 + math.cos(math.pi * (s - 15) / 135)))
+        guard = gg.Guard(model, opt, scheduler=sched, config=gg.GuardConfig(output={"console": False})) if guarded else None
+        gen, actions = torch.Generator().manual_seed(8452), []
+        for _ in range(150):
+            x, y = data.train_batch(16, gen)
+            loss = model(x, y)
+            loss.backward()
+            if guard is not None:
+                actions += guard.step(loss).actions
+            else:
+                opt.step()
+                sched.step()
+            opt.zero_grad(set_to_none=True)
+        if guard is not None:
+            guard.close()
+        return evaluate(model, data.eval_batches(64, 4)), actions
+
+    guarded, actions = train(True)
+    rollback = next(a for a in actions if a.name == "rollback")
+    cut = next(a for a in actions if a.name == "lower_lr")
+    assert cut.params["early"] and rollback.params["to_step"] == 0, (rollback.params, cut.params)
+    unguarded, _ = train(False)
+    assert guarded < unguarded, (guarded, unguarded)
