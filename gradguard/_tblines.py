@@ -109,8 +109,6 @@ class LineRuns:
         pending, self._pending = self._pending, {}
         self._flushed_at = time.monotonic()
         for path, records in pending.items():
-            if self.error is not None:
-                return
             if path not in self._started:
                 records.insert(0, self._bytes(wall_time=self.start, file_version="brain.Event:2"))
             try:

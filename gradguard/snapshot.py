@@ -555,8 +555,10 @@ class SnapshotRing:
                 keep.append(snap)
         dropped = [s for s in self.candidates if s not in keep and not s.confirmed]
         self.candidates = keep
-        while len([x for x in self.ring if x.step != self.pinned]) > self.ring_size:
-            dropped.append(self.ring.pop(next(i for i, x in enumerate(self.ring) if x.step != self.pinned)))
+        evictable = [x for x in self.ring if x.step != self.pinned]  # oldest first
+        for old in evictable[:max(0, len(evictable) - self.ring_size)]:
+            self.ring.remove(old)
+            dropped.append(old)
         for snap in dropped:
             self._release(snap)
         return confirmed
