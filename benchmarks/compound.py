@@ -6,6 +6,7 @@ than unguarded by more than 0.5%).
     python benchmarks/compound.py --master-seed 1      # a fresh held-out draw
     python benchmarks/compound.py --models gpt,llama --steps 120
     python benchmarks/compound.py --engine hf --models gpt,conv   # the same runs under the HF Trainer
+    python benchmarks/compound.py --jitter 4           # + the noise band: 4 unguarded runs at LR x1.001..1.004
 
 Every run's seed and fault onset are drawn from the master seed (printed), so a new master seed is
 a new held-out set. Scenarios (each on every model family):
@@ -24,7 +25,9 @@ final norm), ``llama`` (pre-norm RMSNorm, SwiGLU, a final RMSNorm), ``postln`` (
 inside the blocks, no final norm), ``conv`` (a gated causal CNN). The reference of a fault run is
 the same run without its fault (for a too-high LR: at the tuned LR). Per arm: *rescued* (within 5%
 of the reference), *harmed* (worse than unguarded by more than 0.5%), actions on healthy runs.
-Engines (``--engine``): ``plain`` (the loop below, ``gradguard.Guard``), ``hf`` (``transformers.Trainer``
+With ``--jitter K`` every row also trains K unguarded copies at the LR x (1 + 0.001 k): a change that
+should not matter. Their spread is the run's noise band (up to 1% at a too-high LR: 150 steps at a
+too-high LR are chaotic), and the summary adds the runs harmed beyond it. Engines (``--engine``): ``plain`` (the loop below, ``gradguard.Guard``), ``hf`` (``transformers.Trainer``
 with ``gradguard.hf.GradGuardCallback``) and ``lightning`` (Lightning's ``Trainer`` with
 ``gradguard.lightning.GradGuardCallback``): the same runs (model and start, data order, faults, optimizer,
 schedule, clip, eval batches), unguarded and guarded; the engine runners are in
@@ -58,6 +61,8 @@ from gradguard.demo_model import TinyGPT, evaluate  # noqa: E402
 SEQ, WIDTH, BATCH = 32, 64, 16
 TUNED_LR = 3e-3
 RESCUED, HARMED = 1.05, 1.005
+#: ``--jitter K``: K more unguarded runs at the LR x (1 + JITTER * k), k = 1..K: the noise band of a run
+JITTER = 1e-3
 ENGINE_NAMES = {"plain": "plain loop", "hf": "HF Trainer + gradguard.hf.GradGuardCallback",
                 "lightning": "Lightning Trainer + gradguard.lightning.GradGuardCallback"}
 
@@ -335,6 +340,12 @@ def judge(rows: list[dict[str, Any]]) -> dict[str, Any]:
                     "of": len(faults),
                     "harmed": [f"{r['scenario']}/{r['model']}" for r in rows
                                if r[arm]["eval"] > HARMED * r["unguarded"]["eval"]]}
+    banded = [r for r in rows if r.get("jitter")]
+    if banded:
+        for arm in ("gradguard", *(p for p in PEERS if p in rows[0])):
+            out[arm]["harmed_beyond_noise"] = [f"{r['scenario']}/{r['model']}" for r in banded
+                                               if r[arm]["eval"] > HARMED * band(r)[1]]
+        out["harmed_beyond_noise"] = out["gradguard"]["harmed_beyond_noise"]
     out["harmed"] = out["gradguard"]["harmed"]
     healthy = [r for r in rows if r["healthy"]]
     out["healthy_actions"] = sum(sum(r["gradguard"]["actions"].values()) for r in healthy)
@@ -342,9 +353,16 @@ def judge(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def band(row: dict[str, Any]) -> tuple[float, float]:
+    """(lowest, highest) final loss of the unguarded run and its LR-jittered copies."""
+    evals = [row["unguarded"]["eval"], *(j["eval"] for j in row.get("jitter") or [])]
+    return min(evals), max(evals)
+
+
 def markdown(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     peers = [p for p in PEERS if p in s]
+    jit = "harmed_beyond_noise" in s
     lines = [f"# Compound benchmark, master seed {doc['master_seed']}", "",
              f"{s['runs']} runs ({ENGINE_NAMES[doc.get('engine', 'plain')]}, {doc['steps']} steps, AdamW 0.9/0.95, "
              "10% warm-up + cosine). "
@@ -353,17 +371,22 @@ def markdown(doc: dict[str, Any]) -> str:
              f"{s['gradguard']['rescued']}/{s['gradguard']['of']}",
              f"- harmed: {len(s['harmed'])} {s['harmed'] or ''}",
              f"- actions on {s['healthy_runs']} healthy runs: {s['healthy_actions']}",
+             *([f"- harmed beyond the noise band (gradguard > x {HARMED} the highest of the unguarded run and "
+                f"{len(doc['rows'][0].get('jitter') or [])} copies at the LR x 1.001, 1.002, ...; a change this small "
+                f"should not matter): {len(s['harmed_beyond_noise'])} {s['harmed_beyond_noise'] or ''}"] if jit else []),
              *(f"- peer {p}: rescued {s[p]['rescued']}/{s[p]['of']}, harmed {len(s[p]['harmed'])} {s[p]['harmed'] or ''}"
+               + (f"; beyond the noise band {len(s[p]['harmed_beyond_noise'])}" if jit else "")
                for p in PEERS if p in s), "",
-             "| scenario | model | seed | onset | reference | unguarded | gradguard | g/u | "
-             + "".join(f"{p} | " for p in peers) + "actions |",
-             "|---|---|---|---|---|---|---|---|" + "---|" * len(peers) + "---|"]
+             "| scenario | model | seed | onset | reference | unguarded | " + ("unguarded band | " if jit else "")
+             + "gradguard | g/u | " + "".join(f"{p} | " for p in peers) + "actions |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * (len(peers) + jit) + "---|"]
     for r in doc["rows"]:
         g, u, ref = r["gradguard"]["eval"], r["unguarded"]["eval"], r["reference"]["eval"]
         acts = ", ".join(f"{k} {v}" for k, v in sorted(r["gradguard"]["actions"].items())) or "-"
         name = r["scenario"] + (f" (lr {r['lr']:g})" if r["scenario"] == "warmup_overshoot" else "")
+        lo, hi = band(r)
         lines.append(f"| {name} | {r['model']} | {r['seed']} | {r['onset']} | {ref:.3f} | {u:.3f} | "
-                     f"{g:.3f} | {g / u:.3f} | " + "".join(f"{r[p]['eval']:.3f} | " for p in peers) + f"{acts} |")
+                     + (f"{lo:.3f}-{hi:.3f} | " if jit else "") + f"{g:.3f} | {g / u:.3f} | " + "".join(f"{r[p]['eval']:.3f} | " for p in peers) + f"{acts} |")
     return "\n".join(lines) + "\n"
 
 
@@ -384,6 +407,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     + ", ".join(PEERS))
     ap.add_argument("--reuse-guarded", action="store_true", help="with --reuse: keep its gradguard runs too "
                     "(to add --peers to a finished run)")
+    ap.add_argument("--jitter", type=int, default=0, metavar="K",
+                    help=f"K more unguarded runs per row at the LR x (1 + {JITTER:g} k): the band a change "
+                    "that should not matter moves the final loss by; the summary adds the runs harmed beyond it")
     ap.add_argument("--reuse", default="", help="a results JSON of the same master seed whose reference and "
                     "unguarded runs are reused (they involve no gradguard code): only the guarded arm runs")
     args = ap.parse_args(argv)
@@ -414,6 +440,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["unguarded"] = train(run, "unguarded", args.engine)
         reuse_guarded = args.reuse_guarded and old is not None and "gradguard" in old
         row["gradguard"] = old["gradguard"] if reuse_guarded else train(run, "gradguard", args.engine)
+        old_jitter = (old or {}).get("jitter") or []
+        row["jitter"] = [*old_jitter[:args.jitter],
+                         *(train(replace(run, lr=run.lr * (1 + JITTER * k)), "unguarded", args.engine)
+                           for k in range(len(old_jitter) + 1, args.jitter + 1))]
         for peer in filter(None, args.peers.split(",")):
             row[peer] = (old or {}).get(peer) or train(run, peer)
         if row["reference"] is None:

@@ -192,3 +192,28 @@ def test_scale_benchmark_structure(tmp_path):
         assert doc["results"]["deepspeed"]["snapshot_bytes_per_rank"] < doc["results"]["ddp"]["snapshot_bytes_per_rank"]
     table = next(tmp_path.glob("scale-*.md")).read_text()
     assert all(f"| {s} |" in table for s in ("ddp", "zero", "fsdp2", "fsdp1"))
+
+
+def test_compound_noise_band_judges_harm_against_the_jittered_unguarded_runs():
+    """``--jitter``: a guarded loss inside the band of LR-jittered unguarded runs is harmed by the
+    issue's definition (0.5% over the one unguarded run) but not beyond the noise band; one above
+    the band's top is harmed beyond it. The table gains the band column."""
+    import compound
+
+    def row(model, u, jit, g):
+        r = {**compound.asdict(compound.Run("late_spike", model, 1, 150, 3e-3, onset=120)),
+             "reference": {"eval": u, "actions": {}}, "unguarded": {"eval": u, "actions": {}},
+             "gradguard": {"eval": g, "actions": {}}, "jitter": [{"eval": v} for v in jit]}
+        return r
+
+    rows = [row("conv", 2.312, [2.30, 2.33], 2.325), row("gpt", 2.80, [2.79, 2.81], 2.90)]
+    s = compound.judge(rows)
+    assert s["harmed"] == ["late_spike/conv", "late_spike/gpt"]
+    assert s["harmed_beyond_noise"] == ["late_spike/gpt"]
+    md = compound.markdown({"master_seed": 3, "steps": 150, "engine": "plain", "rows": rows, "summary": s})
+    assert "| unguarded band |" in md and "| 2.300-2.330 |" in md
+    assert "harmed beyond the noise band" in md and "2 copies" in md
+    plain = compound.judge([{**r, "jitter": []} for r in rows])
+    assert "harmed_beyond_noise" not in plain
+    assert "band" not in compound.markdown({"master_seed": 3, "steps": 150, "engine": "plain",
+                                            "rows": [{**r, "jitter": []} for r in rows], "summary": plain})
