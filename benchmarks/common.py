@@ -445,6 +445,8 @@ EXTRA_ARMS = {
     "gradguard_adaptive": lambda: GradGuardArm("adaptive"),
     "gradguard_conservative": lambda: GradGuardArm("conservative"),
     "gradguard_snap10": lambda: GradGuardArm("default", "gradguard_snap10", recovery={"snapshot_interval": 10}),
+    # the closest rival (``pip install arc-training``; AGPL, a benchmark-only dependency)
+    "arc": ARCArm,
 }
 ALL_ARMS = {**ARMS, **EXTRA_ARMS}
 
