@@ -27,7 +27,9 @@ the same run without its fault (for a too-high LR: at the tuned LR). Per arm: *r
 of the reference), *harmed* (worse than unguarded by more than 0.5%), actions on healthy runs.
 With ``--jitter K`` every row also trains K unguarded copies at the LR x (1 + 0.001 k): a change that
 should not matter. Their spread is the run's noise band (up to 1% at a too-high LR: 150 steps at a
-too-high LR are chaotic), and the summary adds the runs harmed beyond it. Engines (``--engine``): ``plain`` (the loop below, ``gradguard.Guard``), ``hf`` (``transformers.Trainer``
+too-high LR are chaotic), and the summary adds the runs harmed beyond it.
+
+Engines (``--engine``): ``plain`` (the loop below, ``gradguard.Guard``), ``hf`` (``transformers.Trainer``
 with ``gradguard.hf.GradGuardCallback``) and ``lightning`` (Lightning's ``Trainer`` with
 ``gradguard.lightning.GradGuardCallback``): the same runs (model and start, data order, faults, optimizer,
 schedule, clip, eval batches), unguarded and guarded; the engine runners are in

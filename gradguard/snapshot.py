@@ -555,19 +555,23 @@ class SnapshotRing:
                 keep.append(snap)
         dropped = [s for s in self.candidates if s not in keep and not s.confirmed]
         self.candidates = keep
-        evictable = [x for x in self.ring if x.step != self.pinned]  # oldest first
-        for old in evictable[:max(0, len(evictable) - self.ring_size)]:
-            self.ring.remove(old)
-            dropped.append(old)
-        for snap in dropped:
+        for snap in dropped + self._evict():
             self._release(snap)
         return confirmed
+
+    def _evict(self) -> list[Snapshot]:
+        """Take the oldest snapshots beyond ``ring_size`` out of the ring (the pinned one is not
+        counted and stays); the caller releases them."""
+        evictable = [x for x in self.ring if x.step != self.pinned]  # oldest first
+        out = evictable[:max(0, len(evictable) - self.ring_size)]
+        self.ring = [x for x in self.ring if x not in out]
+        return out
 
     def unpin(self) -> None:
         """Release the pinned snapshot: it is evicted like any other once the ring is full."""
         self.pinned = None
-        while len(self.ring) > self.ring_size:
-            self._release(self.ring.pop(0))
+        for snap in self._evict():
+            self._release(snap)
 
     def _check_structure(self, step: int) -> None:
         """Parameter groups added (``add_param_group``) since the snapshots were taken: they can no
