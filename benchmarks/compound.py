@@ -27,7 +27,9 @@ the same run without its fault (for a too-high LR: at the tuned LR). Per arm: *r
 of the reference), *harmed* (worse than unguarded by more than 0.5%), actions on healthy runs.
 With ``--jitter K`` every row also trains K unguarded copies at the LR x (1 + 0.001 k): a change that
 should not matter. Their spread is the run's noise band (up to 1% at a too-high LR: 150 steps at a
-too-high LR are chaotic), and the summary adds the runs harmed beyond it.
+too-high LR are chaotic), and the summary adds the runs harmed beyond it. A row harmed beyond it also
+trains K gradguard copies at the same LRs: harmed *beyond both bands* when every guarded run is
+worse than the unguarded band's top by more than 0.5% (the harm is not the guarded run's own noise).
 
 Engines (``--engine``): ``plain`` (the loop below, ``gradguard.Guard``), ``hf`` (``transformers.Trainer``
 with ``gradguard.hf.GradGuardCallback``) and ``lightning`` (Lightning's ``Trainer`` with
@@ -348,6 +350,9 @@ def judge(rows: list[dict[str, Any]]) -> dict[str, Any]:
             out[arm]["harmed_beyond_noise"] = [f"{r['scenario']}/{r['model']}" for r in banded
                                                if r[arm]["eval"] > HARMED * band(r)[1]]
         out["harmed_beyond_noise"] = out["gradguard"]["harmed_beyond_noise"]
+        # the guarded side's own band, trained only for the rows harmed beyond the unguarded one
+        out["harmed_beyond_both"] = [f"{r['scenario']}/{r['model']}" for r in banded if r.get("jitter_guarded")
+                                     and guarded_band(r)[0] > HARMED * band(r)[1]]
     out["harmed"] = out["gradguard"]["harmed"]
     healthy = [r for r in rows if r["healthy"]]
     out["healthy_actions"] = sum(sum(r["gradguard"]["actions"].values()) for r in healthy)
@@ -358,6 +363,13 @@ def judge(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def band(row: dict[str, Any]) -> tuple[float, float]:
     """(lowest, highest) final loss of the unguarded run and its LR-jittered copies."""
     evals = [row["unguarded"]["eval"], *(j["eval"] for j in row.get("jitter") or [])]
+    return min(evals), max(evals)
+
+
+def guarded_band(row: dict[str, Any]) -> tuple[float, float]:
+    """(lowest, highest) final loss of the gradguard run and its copies at the jittered LRs (the
+    copies exist only for a row harmed beyond the unguarded band)."""
+    evals = [row["gradguard"]["eval"], *(j["eval"] for j in row.get("jitter_guarded") or [])]
     return min(evals), max(evals)
 
 
@@ -376,6 +388,9 @@ def markdown(doc: dict[str, Any]) -> str:
              *([f"- harmed beyond the noise band (gradguard > x {HARMED} the highest of the unguarded run and "
                 f"{len(doc['rows'][0].get('jitter') or [])} copies at the LR x 1.001, 1.002, ...; a change this small "
                 f"should not matter): {len(s['harmed_beyond_noise'])} {s['harmed_beyond_noise'] or ''}"] if jit else []),
+             *([f"- of those, harmed beyond both bands (the gradguard run and its copies at the same jittered LRs "
+                f"all above that top x {HARMED}; the guarded band is in brackets in the table): "
+                f"{len(s['harmed_beyond_both'])} {s['harmed_beyond_both'] or ''}"] if "harmed_beyond_both" in s else []),
              *(f"- peer {p}: rescued {s[p]['rescued']}/{s[p]['of']}, harmed {len(s[p]['harmed'])} {s[p]['harmed'] or ''}"
                + (f"; beyond the noise band {len(s[p]['harmed_beyond_noise'])}" if jit else "")
                for p in PEERS if p in s), "",
@@ -387,8 +402,9 @@ def markdown(doc: dict[str, Any]) -> str:
         acts = ", ".join(f"{k} {v}" for k, v in sorted(r["gradguard"]["actions"].items())) or "-"
         name = r["scenario"] + (f" (lr {r['lr']:g})" if r["scenario"] == "warmup_overshoot" else "")
         lo, hi = band(r)
+        gb = " ({:.3f}-{:.3f})".format(*guarded_band(r)) if r.get("jitter_guarded") else ""
         lines.append(f"| {name} | {r['model']} | {r['seed']} | {r['onset']} | {ref:.3f} | {u:.3f} | "
-                     + (f"{lo:.3f}-{hi:.3f} | " if jit else "") + f"{g:.3f} | {g / u:.3f} | " + "".join(f"{r[p]['eval']:.3f} | " for p in peers) + f"{acts} |")
+                     + (f"{lo:.3f}-{hi:.3f} | " if jit else "") + f"{g:.3f}{gb} | {g / u:.3f} | " + "".join(f"{r[p]['eval']:.3f} | " for p in peers) + f"{acts} |")
     return "\n".join(lines) + "\n"
 
 
@@ -446,6 +462,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row["jitter"] = [*old_jitter[:args.jitter],
                          *(train(replace(run, lr=run.lr * (1 + JITTER * k)), "unguarded", args.engine)
                            for k in range(len(old_jitter) + 1, args.jitter + 1))]
+        harmed = row["jitter"] and row["gradguard"]["eval"] > HARMED * band(row)[1]
+        old_jg = (old or {}).get("jitter_guarded") or [] if reuse_guarded else []
+        row["jitter_guarded"] = [] if not harmed else [
+            *old_jg[:args.jitter], *(train(replace(run, lr=run.lr * (1 + JITTER * k)), "gradguard", args.engine)
+                                    for k in range(len(old_jg) + 1, args.jitter + 1))]
         for peer in filter(None, args.peers.split(",")):
             row[peer] = (old or {}).get(peer) or train(run, peer)
         if row["reference"] is None:

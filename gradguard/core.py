@@ -189,6 +189,9 @@ class GuardCore(EngineAPI):
         self._sched_peak = 0.0  # the highest schedule position seen
         self._early_now = False
         self._last: StepReport | None = None
+        self._own_clip_coef: float | None = None  # this step's coefficient of the guard's own clip
+        self._clip_params: list[torch.Tensor] | None = None
+        self._clip_params_version = -1
 
     def _measurement(self, layer_fn: Callable[[str], str] | None) -> tuple[LayerMap, GradMeasurer]:
         """The layer map and the measurer (FSDP: local pieces, summed by the step's one reduction).
@@ -253,7 +256,9 @@ class GuardCore(EngineAPI):
         loss_v = self.take_loss(loss)
         scale_t = scaler_scale(scaler)
         found_t = scaler_found_inf(scaler, self.optimizer)
-        meas = self.measurer.measure([loss_v, scale_t, found_t], reduce=self.reduce, engine=engine_clip)
+        own = self._own_clip() if engine_clip is None else None
+        meas = self.measurer.measure([loss_v, scale_t, found_t], reduce=self.reduce, engine=engine_clip or own)
+        self._own_clip_coef = meas.engine_coef if own is not None else None
         grads, self.measurer.last_grads = self.measurer.last_grads, []  # never held past this step
         if self.layers.version != self._layers_version:
             self._layers_joined()
@@ -262,8 +267,25 @@ class GuardCore(EngineAPI):
                       layer_norms=dict(zip(self.layers.layer_names, meas.layer_norms)),
                       nonfinite_layers=meas.nonfinite_layers, scale=None if scale_t is None else scale_f,
                       overflow=bool(found_t is not None and found_f > 0), inner_norm=meas.watched_norm)
+        if own is not None:  # the guard's own clip: not an engine's, nothing for the engine to log
+            return self.decide(sig, grads, drop_on_skip=drop_on_skip)
         return self.decide(sig, grads, drop_on_skip=drop_on_skip, engine_norm=meas.engine_norm,
                            engine_coef=meas.engine_coef)
+
+    def _own_clip(self) -> EngineClip | None:
+        """The guard's fixed clip, measured the way ``clip_grad_norm_(model.parameters(), max_norm)``
+        computes it (see :class:`EngineClip`), so that a step the guard clips without acting scales
+        the gradients bit-identically to that call: a run in which the guard takes no action is the
+        user's clipped run, digit for digit (not one that drifts an ulp away each step and, in a
+        chaotic run, ends 1% apart). Not for a stepping engine (it clips itself) nor adaptive mode
+        (its threshold follows the norm just measured)."""
+        cfg = self.config
+        if not cfg.policy.act or cfg.clip.mode != "fixed" or self.stepping is not None:
+            return None
+        if self._clip_params is None or self._clip_params_version != self.layers.version:
+            self._clip_params = [p for p in self.model.parameters() if p.requires_grad]
+            self._clip_params_version = self.layers.version
+        return EngineClip(self._clip_params, float(self.clip.max_norm))
 
     # -- detect -> decide -> act ---------------------------------------------------------------------
     def decide(self, sig: Signals, grads: list[torch.Tensor], *, drop_on_skip: bool = False,
@@ -313,7 +335,13 @@ class GuardCore(EngineAPI):
             before = self.stepping.clip()
             report.clipped = bool(not engine_skipped and before and sig.total_norm > before)
         elif not decision.skip:  # the gradients just measured (nothing ran in between)
-            report.clipped = self.clip.apply(grads, sig.total_norm, clip_to)
+            coef = self._own_clip_coef
+            if (coef is not None and clip_to == self.clip.max_norm and math.isfinite(sig.total_norm)
+                    and self.measurer.replay_clip(coef) is not None):  # as clip_grad_norm_ scales
+                report.clipped = coef < 1.0
+                self.clip.clipped += report.clipped
+            else:
+                report.clipped = self.clip.apply(grads, sig.total_norm, clip_to)
         self.clip.observe(sig.total_norm, clip_to)
 
     def _verdicts(self, sig: Signals, decision: Decision, findings: list[Finding]) -> None:

@@ -241,6 +241,8 @@ def run_plain(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True
             if g is None:
                 (mb, _), = list(batch.micro_batches())
                 model(**mb)["loss"].backward()
+                if engine_clip is not None:  # the user's own clip, as the Trainers' max_grad_norm
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), engine_clip)
                 opt.step()
                 sched.step()
             else:

@@ -213,7 +213,40 @@ def test_compound_noise_band_judges_harm_against_the_jittered_unguarded_runs():
     md = compound.markdown({"master_seed": 3, "steps": 150, "engine": "plain", "rows": rows, "summary": s})
     assert "| unguarded band |" in md and "| 2.300-2.330 |" in md
     assert "harmed beyond the noise band" in md and "2 copies" in md
-    plain = compound.judge([{**r, "jitter": []} for r in rows])
-    assert "harmed_beyond_noise" not in plain
+    assert s["harmed_beyond_both"] == [] and "harmed beyond both bands" in md
+    # the guarded copies at the jittered LRs: one inside the unguarded band clears the row
+    rows[1]["jitter_guarded"] = [{"eval": 2.80}, {"eval": 2.95}]
+    assert compound.judge(rows)["harmed_beyond_both"] == []
+    rows[1]["jitter_guarded"] = [{"eval": 2.86}, {"eval": 2.95}]
+    s2 = compound.judge(rows)
+    assert s2["harmed_beyond_both"] == ["late_spike/gpt"]
+    md2 = compound.markdown({"master_seed": 3, "steps": 150, "engine": "plain", "rows": rows, "summary": s2})
+    assert "| 2.900 (2.860-2.950) |" in md2 and "harmed beyond both bands" in md2
+    plain = compound.judge([{**r, "jitter": [], "jitter_guarded": []} for r in rows])
+    assert "harmed_beyond_noise" not in plain and "harmed_beyond_both" not in plain
     assert "band" not in compound.markdown({"master_seed": 3, "steps": 150, "engine": "plain",
                                             "rows": [{**r, "jitter": []} for r in rows], "summary": plain})
+
+
+def test_unseen_setups_judge_false_alarms_and_both_baselines(monkeypatch):
+    """``unseen.py``: a short real run per arm of a non-text setup, then the judgement: actions on a
+    healthy run are false alarms; the guard is compared with the clipped and the unclipped user."""
+    import unseen
+
+    monkeypatch.setattr(unseen, "STEPS", 20)
+    rec = {arm: unseen.run("bn_cnn_sgd", "healthy", arm) for arm in unseen.ARMS}
+    assert all(0 < r["final"] < 10 for r in rec.values())
+    assert rec["guard"]["actions"] == {}
+
+    def row(setup, cond, n, c, g, acts):
+        return {"setup": setup, "condition": cond, "none": {"final": n}, "clip1": {"final": c},
+                "guard": {"final": g, "actions": acts}}
+
+    rows = [row("lstm_adam", "healthy", 2.5, 2.4, 2.4, {"skip": 1}), row("rmsprop", "lr10", 2.5, 2.6, 2.62, {}),
+            row("adagrad", "spike", 3.0, 2.7, 2.4, {"rollback": 1})]
+    s = unseen.judge(rows)
+    assert s["healthy_actions"] == 1 and s["healthy_runs"] == 1
+    assert s["worse_than_clip1"] == ["lr10/rmsprop"] and s["worse_than_none"] == ["lr10/rmsprop"]
+    assert s["better_than_clip1"] == 1
+    md = unseen.markdown({"rows": rows, "summary": s})
+    assert "| lr10 | rmsprop | 2.5000 | 2.6000 | 2.6200 | 1.008 | 1.048 | - |" in md

@@ -133,6 +133,23 @@ def test_trust_rule_is_the_same_in_every_engine(tmp_path, engine, preset):
     assert all(not math.isnan(e["step"]) for e in tier.values())
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_run_the_guard_takes_no_action_in_is_the_users_clipped_run_bit_for_bit(tmp_path, engine):
+    """Default preset, a healthy run clipped at every step: the guard's own clip scales the
+    gradients exactly as ``clip_grad_norm_(model.parameters(), max_norm)`` does (same norms, same
+    coefficient, same kernels), so the weights and the optimizer state equal, digit for digit, those
+    of the run without a guard that clips at the same norm (not an ulp away, which a long chaotic
+    run turns into a different final loss)."""
+    max_norm = 1e-3  # below every step's norm: every step is clipped
+    ref = RUNNERS[engine](tmp_path / "a", None, steps=6, engine_clip=max_norm, guard=False)
+    over = {"engine_clip": max_norm} if engine != "plain" else {}
+    rec = RUNNERS[engine](tmp_path / "b", cfg(tmp_path / "b", clip={"max_norm": max_norm, "floor": max_norm}), steps=6, **over)
+    assert not rec.core.action_counts and rec.core.skipped_steps == 0
+    assert rec.core.clip.clipped == 6  # the guard clipped every step itself
+    for k in range(1, 7):
+        assert torch.equal(ref.weights[k], rec.weights[k]) and torch.equal(ref.opt_state[k], rec.opt_state[k]), k
+
+
 @pytest.mark.parametrize("engine", ["hf", "lightning"])
 def test_clip_conflict_is_resolved_the_same_way_in_every_engine(tmp_path, engine):
     """The engine's clip setting becomes the guard's starting clip.max_norm; set both differently: error."""
