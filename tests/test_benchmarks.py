@@ -143,8 +143,8 @@ def test_engine_overhead_harness_structure(tmp_path):
             if v != "none":
                 assert r["accounted_ms_median"] > 0
         assert rows["clip"]["added_median"] == 0.0
-        # unclipped, the accounted functions do less than the clipping baseline's
-        assert rows["none"]["accounted_ms_median"] < rows["clip"]["accounted_ms_median"]
+        # (which variant's accounted time is the larger is a timing: the benchmark reports it, a
+        # 4-step test on a loaded machine cannot assert it)
     core = run["core_python"]["tiny"]
     assert 0 < core["detect_policy_us"] and 0 < core["measure_us"]
     files = sorted(os.listdir(tmp_path))
