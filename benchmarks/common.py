@@ -627,10 +627,17 @@ def write_json(path: str, obj: Any) -> None:
         json.dump(obj, fh, indent=1, default=str)
 
 
+def write_results(stem: str, doc: dict[str, Any], md: str) -> None:
+    """A benchmark's results: ``<stem>.json`` (the whole document) and ``<stem>.md`` (its table)."""
+    write_json(stem + ".json", doc)
+    with open(stem + ".md", "w", encoding="utf-8") as fh:
+        fh.write(md)
+
+
 def as_dict(sc: Scenario) -> dict[str, Any]:
     return asdict(sc)
 
 
 __all__ = ["ConvLM", "MODELS", "Scenario", "scenarios", "oracle_of", "ARMS", "EXTRA_ARMS", "ALL_ARMS", "run_one", "score",
-           "RESCUE_RATIO", "DIVERGED_RATIO", "MAX_SKIP_FRAC", "machine_tag", "environment", "write_json",
+           "RESCUE_RATIO", "DIVERGED_RATIO", "MAX_SKIP_FRAC", "machine_tag", "environment", "write_json", "write_results",
            "as_dict", "RESULTS_DIR", "field"]

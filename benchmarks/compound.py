@@ -58,7 +58,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import RESULTS_DIR, ARCArm, ConvLM, GradGuardArm, Unguarded, ZClipArm, environment, get_data  # noqa: E402
+from common import RESULTS_DIR, ARCArm, ConvLM, GradGuardArm, Unguarded, ZClipArm, environment, get_data, write_results  # noqa: E402
 
 from gradguard.demo_model import TinyGPT, evaluate  # noqa: E402
 
@@ -477,13 +477,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{row['gradguard']['actions']} ({time.time() - t0:.0f}s)", flush=True)
     doc = {"master_seed": args.master_seed, "steps": args.steps, "engine": args.engine, "rows": rows,
            "summary": judge(rows), "environment": environment(), "seconds": round(time.time() - t0)}
-    os.makedirs(RESULTS_DIR, exist_ok=True)
     engine = "" if args.engine == "plain" else f"-{args.engine}"
-    stem = os.path.join(RESULTS_DIR, f"compound-seed{args.master_seed}{engine}{args.tag}")
-    with open(stem + ".json", "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=1, default=str)
-    with open(stem + ".md", "w", encoding="utf-8") as fh:
-        fh.write(markdown(doc))
+    write_results(os.path.join(RESULTS_DIR, f"compound-seed{args.master_seed}{engine}{args.tag}"), doc, markdown(doc))
     print(markdown(doc))
     return doc
 

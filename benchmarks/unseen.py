@@ -24,7 +24,6 @@ gives both). Results: ``results/unseen.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -40,7 +39,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import RESULTS_DIR, environment  # noqa: E402
+from common import RESULTS_DIR, environment, write_results  # noqa: E402
 
 import gradguard as gg  # noqa: E402
 from gradguard.demo_model import ByteBatches, TinyGPT, load_corpus  # noqa: E402
@@ -248,12 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{condition}/{name}: none {row['none']['final']:.4f} clip1 {row['clip1']['final']:.4f} "
                   f"guard {row['guard']['final']:.4f} {row['guard']['actions']} ({time.time() - t0:.0f}s)", flush=True)
     doc = {"rows": rows, "summary": judge(rows), "environment": environment(), "seconds": round(time.time() - t0)}
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    stem = os.path.join(RESULTS_DIR, f"unseen{args.tag}")
-    with open(stem + ".json", "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=1, default=str)
-    with open(stem + ".md", "w", encoding="utf-8") as fh:
-        fh.write(markdown(doc))
+    write_results(os.path.join(RESULTS_DIR, f"unseen{args.tag}"), doc, markdown(doc))
     print(markdown(doc))
     return doc
 
