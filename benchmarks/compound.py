@@ -18,6 +18,8 @@ a new held-out set. Scenarios (each on every model family):
 * ``quiet_after_spike``: a NaN early, then an LR far too high under clip 1.0 (a quiet plateau);
 * ``warmup_overshoot``: an LR 10x or 33x too high (drawn), reached through the warm-up: the run
   blows up on the ramp (no other fault; the reference is the tuned LR);
+* ``garbage_short``: a garbage window of 2 batches, and one of 1, 3 or 4 (drawn), mid-decay: two
+  bad batches in a row on weights no update changed look like damaged weights;
 * ``healthy``: no fault (counts the guard's actions on a healthy run).
 
 Onsets are drawn from early / middle / late in the decay. Families: ``gpt`` (pre-LN, LayerNorm, a
@@ -226,6 +228,13 @@ def draw(master: int, models: list[str], steps: int) -> list[Run]:
     extra = random.Random(1_000_003 * (master + 1))
     for model in models:
         runs.append(Run("warmup_overshoot", model, extra.randrange(10_000), steps, extra.choice((3e-2, 1e-1))))
+    # short garbage windows, drawn from a stream of their own too (added 2026-12-04)
+    short = random.Random(2_000_003 * (master + 1))
+    for model in models:
+        for length in (2, short.choice((1, 3, 4))):
+            runs.append(Run("garbage_short", model, short.randrange(10_000), steps,
+                            1e-2 if model != "conv" else TUNED_LR, onset=int(steps * short.uniform(0.4, 0.6)),
+                            fault="garbage", fault_len=length))
     return runs
 
 
@@ -400,7 +409,8 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         g, u, ref = r["gradguard"]["eval"], r["unguarded"]["eval"], r["reference"]["eval"]
         acts = ", ".join(f"{k} {v}" for k, v in sorted(r["gradguard"]["actions"].items())) or "-"
-        name = r["scenario"] + (f" (lr {r['lr']:g})" if r["scenario"] == "warmup_overshoot" else "")
+        name = r["scenario"] + (f" (lr {r['lr']:g})" if r["scenario"] == "warmup_overshoot" else
+                                f" ({r['fault_len']})" if r["scenario"] == "garbage_short" else "")
         lo, hi = band(r)
         gb = " ({:.3f}-{:.3f})".format(*guarded_band(r)) if r.get("jitter_guarded") else ""
         lines.append(f"| {name} | {r['model']} | {r['seed']} | {r['onset']} | {ref:.3f} | {u:.3f} | "

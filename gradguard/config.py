@@ -461,7 +461,18 @@ class PolicyConfig:
     spike_confirm_window: int = 5
     """A loss spike with no other spike in the previous this-many steps is only skipped (it may be
     one bad batch); a repeated spike escalates the ladder. A spike on weights just restored from a
-    healthy snapshot is blamed on the data: skipped, never escalated."""
+    healthy snapshot is blamed on the data: skipped, never escalated. Past the first
+    ``detect.warmup_steps`` applied steps, at an LR that did not rise, spikes on weights no update
+    changed (each one skipped) are ambiguous (bad batches in a row, or damaged weights): the second
+    is skipped too, the third rolls back without an LR cut; if the next batch is clean, training
+    goes back to the weights left, on trial; a spike on them, or a recurrence within twice this
+    window, climbs the ladder."""
+
+    ambiguous_spikes: bool = True
+    """Repeated loss spikes on weights no update changed, at an LR that did not rise, past the first
+    ``detect.warmup_steps`` applied steps, cannot tell bad batches in a row from damaged weights.
+    True waits for evidence (see ``spike_confirm_window``: a rollback without an LR cut, a return on
+    trial); False climbs the ladder at the second spike, as for any repeated spike."""
 
     cooldown: int = 5
     """Steps after an escalation during which new findings do not escalate again (a rollback ends
@@ -484,6 +495,7 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         _flag(self, "act")
         _flag(self, "skip_nonfinite")
+        _flag(self, "ambiguous_spikes")
         _positive(self, "skip_grad_ratio")
         if not isinstance(self.ladder, list) or not self.ladder or not all(
             isinstance(r, (list, tuple)) and r for r in self.ladder

@@ -186,8 +186,10 @@ class GuardCore(EngineAPI):
         self._failed_mult = 1.0  # LR multiplier level at which the current step's instability happened
         self._sched_pos: float | None = None  # the previous step's schedule position (see _ramp_position)
         self._sched_rising = False  # it rose at its last move (a held scheduler keeps the direction)
+        self._sched_rose_at: int | None = None  # the last step at which it rose
         self._sched_peak = 0.0  # the highest schedule position seen
         self._early_now = False
+        self._restored_now = False  # this step put earlier weights back (their statistics with them)
         self._last: StepReport | None = None
         self._own_clip_coef: float | None = None  # this step's coefficient of the guard's own clip
         self._clip_params: list[torch.Tensor] | None = None
@@ -318,7 +320,8 @@ class GuardCore(EngineAPI):
         grad_ratio = self.detectors.grad.ratio(sig.total_norm)
         if self._late_in_decay():  # a takeover there is reported, not acted on (see _late_in_decay)
             findings = [f for f in findings if f.kind != NORM_TAKEOVER]
-        decision = self.policy.decide(sig, findings, grad_ratio, weights_verified=self.rollback.verified)
+        decision = self.policy.decide(sig, findings, grad_ratio, weights_verified=self.rollback.verified,
+                                      lr_rose=self._lr_rose(sig.step))
         if (engine_skipped is False and decision.skip and self.config.policy.act
                 and not any(a.name == "rollback" for a in decision.actions)):
             name = self.stepping.name if self.stepping is not None else "engine"
@@ -392,8 +395,23 @@ class GuardCore(EngineAPI):
         pos, prev = float(now) / float(base), self._sched_pos
         if prev is not None and pos != prev:
             self._sched_rising = pos > prev
+            if pos > prev:
+                self._sched_rose_at = self.step_count + 1
         self._sched_pos, self._sched_peak = pos, max(self._sched_peak, pos)
         return pos if self._sched_rising and 0 < pos < 1 else 1.0
+
+    def _lr_rose(self, step: int) -> bool:
+        """Repeated spikes are the LR's, never ambiguous (:meth:`Policy._ambiguous`), while the
+        scheduled LR rises, within ``policy.spike_confirm_window`` steps after it last rose (a glitch:
+        x30 for a few steps, decaying inside it), and before the run made progress."""
+        recent = (self._sched_rose_at is not None
+                  and step - self._sched_rose_at <= self.config.policy.spike_confirm_window)
+        return self._sched_rising or recent or self._before_progress()
+
+    def _before_progress(self) -> bool:
+        """Fewer applied steps than the detectors' warm-up: a blow-up this early is the LR's (an LR
+        far too high spikes at once and may calm for a step), never ambiguous (:meth:`Policy._ambiguous`)."""
+        return self.applied_steps < self.config.detect.warmup_steps
 
     def _early(self) -> bool:
         """The instability came before the run learned anything: a blow-up in the first steps of a
@@ -414,8 +432,11 @@ class GuardCore(EngineAPI):
     def _act(self, decision: Decision, report: StepReport, engine_skipped: bool | None) -> None:
         """Run the decision's actions through the actuators; a rollback discards the step."""
         if any(a.name == "rollback" for a in decision.actions):
-            self.rollback.remember_escalation()
+            if not decision.ambiguous:  # nothing to undo: an ambiguous rollback keeps the LR
+                self.rollback.remember_escalation()
             self._rollback_target(decision, report)
+            if self.running_stats is not None and self.stepping is None:
+                self.running_stats.settle(False)  # the weights put aside keep their statistics, not this batch's
             for a in decision.actions:
                 if a.name == "rollback":
                     self.rollback.hold(a)
@@ -423,6 +444,10 @@ class GuardCore(EngineAPI):
             for undone in (self.rollback.undo_escalation(report.step), self.rollback.return_to_held(report.step)):
                 if undone is not None:
                     report.actions.append(self.record(undone))
+                    self._restored_now = self._restored_now or undone.name == "undo_rollback"
+        elif (self.rollback.trial_due and self.stepping is None and not decision.skip and not decision.halt
+              and not decision.actions):
+            self._trial_return(decision, report)
         for a in decision.actions:
             follow = self.execute(a)
             report.actions.extend([a, *follow])
@@ -438,6 +463,24 @@ class GuardCore(EngineAPI):
                 report.applied = not engine_skipped  # nothing to go back to: the update stays
             if restored:
                 self.policy.last_escalation = None  # restored weights: no cooldown
+                if decision.ambiguous:
+                    self.policy.extend_probation(a.params.get("steps_lost", 0))
+
+    def _trial_return(self, decision: Decision, report: StepReport) -> None:
+        """The batch after an ambiguous rollback was clean on the restored weights: that says nothing
+        of the weights the rollback left (two or three bad batches in a row, or damaged weights?).
+        Training goes back to them and this step is skipped (its gradients came from the restored
+        weights); the next batch on them decides: clean, they were fine (one batch lost, not the
+        rollback's steps); a spike, they are damaged and the ladder climbs (probation)."""
+        undone = self.rollback.return_to_held(report.step, trial=True)
+        if undone is None:
+            return
+        report.actions.append(self.record(undone))
+        decision.skip = True
+        report.applied = False
+        report.skip_reason = "back to the weights the ambiguous rollback left (on trial)"
+        self.policy.start_probation(report.step)
+        self._restored_now = True
 
     def _rollback_target(self, decision: Decision, report: StepReport) -> None:
         """A norm takeover found now began before its window: snapshots taken since then already
@@ -515,8 +558,9 @@ class GuardCore(EngineAPI):
         taught = teaches(report)
         self.detectors.settle(taught)  # before a snapshot stores the detectors
         self._untaught_applied = 0 if taught else self._untaught_applied + int(report.applied)
-        if self.running_stats is not None:  # a skipped step's forward moved them; a rollback restored them
-            self.running_stats.settle(report.applied or report.rolled_back)
+        restored, self._restored_now = self._restored_now, False
+        if self.running_stats is not None:  # a skipped step's forward moved them; a restore put back others
+            self.running_stats.settle(report.applied or report.rolled_back or restored)
         if report.applied:
             self.applied_steps += 1
             if report.healthy and self.batches is not None:  # changes that wait for the next step's data

@@ -9,13 +9,16 @@ from typing import Any
 from .config import PolicyConfig
 from .detect import NORM_TAKEOVER, Finding, Signals
 
-__all__ = ["Action", "Decision", "Policy", "INSTABILITY_KINDS", "REPEAT_KINDS"]
+__all__ = ["Action", "Decision", "Policy", "INSTABILITY_KINDS", "REPEAT_KINDS", "BATCH_KINDS"]
 
 #: Findings that count as instability on their own (a norm takeover is the quiet kind: no spike).
 INSTABILITY_KINDS = frozenset({"loss_spike", "overflow_rate", "scale_collapse", NORM_TAKEOVER})
 #: Findings handled step by step (skip, clip) that count as instability once they repeat
 #: (a grad spike only when critical: 10x its threshold).
 REPEAT_KINDS = frozenset({"nonfinite_loss", "nonfinite_grad", "grad_spike"})
+#: Findings one bad batch can raise on its own: with these alone, spikes on weights that no update
+#: changed cannot tell bad data from damaged weights (see :meth:`Policy._ambiguous`).
+BATCH_KINDS = frozenset({"loss_spike"}) | REPEAT_KINDS
 
 
 @dataclass
@@ -42,6 +45,9 @@ class Decision:
     unstable: bool = False
     suspect: bool = False  # a spike handled by a skip: not healthy, not (yet) an instability
     data_verdict: bool = False  # a spike on verified (just restored) weights: the data is bad
+    ambiguous: bool = False
+    """Spikes on weights no update changed, at an LR that did not rise: a rollback without an LR
+    cut (bad data or damaged weights cannot be told apart yet; see :meth:`Policy._ambiguous`)."""
 
 
 class Policy:
@@ -56,24 +62,36 @@ class Policy:
         self.skip_streak = 0
         self.healthy = 0
         self.last_spike: int | None = None
+        #: consecutive steps skipped for a loss spike, no update applied in between (same weights)
+        self.spike_chain = 0
+        #: after an ambiguous rollback: until this step, a recurrence climbs the ladder (LR cut)
+        self.probation_until: int | None = None
 
     def _trim(self, dq: deque[int], step: int) -> None:
         while dq and dq[0] <= step - self.cfg.escalation_window:
             dq.popleft()
 
     def decide(self, s: Signals, findings: list[Finding], grad_ratio: float,
-               weights_verified: bool = False) -> Decision:
+               weights_verified: bool = False, lr_rose: bool = True) -> Decision:
         """``weights_verified``: no update was applied since the weights were restored from a
-        healthy snapshot, so a spike now is blamed on the data (the step is skipped, no escalation)."""
+        healthy snapshot, so a spike now is blamed on the data (the step is skipped, no escalation).
+        ``lr_rose``: the scheduled LR rises or rose a few steps ago, or the run has not made progress
+        yet (a warm-up, a glitch, the first steps): repeated spikes are then the LR's, never ambiguous."""
         cfg = self.cfg
         d = Decision()
         kinds = self._verdict(s, findings, d, weights_verified)
         self._skip_step(s, kinds, grad_ratio, d)
         d.unstable = self._unstable(s, findings, kinds)
-        d.suspect = "loss_spike" in {f.kind for f in findings} and not d.unstable
+        spiked = "loss_spike" in {f.kind for f in findings}
+        d.suspect = spiked and not d.unstable
         if not cfg.act:
             d.skip, d.skip_reason = False, ""
             return d
+        if d.data_verdict:
+            self.probation_until = None  # the data was to blame: the last rollback was right to keep the LR
+        if d.unstable and spiked and not lr_rose and cfg.ambiguous_spikes and self._ambiguous(s, kinds):
+            self._hold_judgement(s, d)
+        self.spike_chain = self.spike_chain + 1 if (d.skip and spiked and not d.actions and not d.data_verdict) else 0
         self.skip_streak = self.skip_streak + 1 if d.skip else 0
         if self.skip_streak >= cfg.max_skip_streak:
             d.halt = True
@@ -106,6 +124,46 @@ class Policy:
         elif spike:
             self.last_spike = s.step
         return kinds
+
+    def _ambiguous(self, s: Signals, kinds: set[str]) -> bool:
+        """A repeated spike that cannot yet be blamed: the previous step was skipped for a spike (the
+        weights are those the first spike came on), no instability finding but those one bad batch
+        raises (:data:`BATCH_KINDS`; no takeover, overflow rate or scale collapse) and no ambiguous
+        rollback is on probation. Two bad batches in a row look the same as damaged weights; only
+        another batch on those weights, or a batch on restored ones, tells them apart."""
+        on_probation = self.probation_until is not None and s.step <= self.probation_until
+        return self.spike_chain >= 1 and not on_probation and not kinds & (INSTABILITY_KINDS - BATCH_KINDS)
+
+    def _hold_judgement(self, s: Signals, d: Decision) -> None:
+        """The second spike on unchanged weights is skipped; the third rolls back without an LR cut or
+        a ladder climb. A spike on the restored weights then blames the data; a clean batch on them
+        takes training back to the weights left, on trial (the core: ``GuardCore._trial_return``).
+        A recurrence during the probation (``probation_until``: the replay of the lost steps, if
+        any, then two spike-confirm windows) climbs the ladder as usual."""
+        d.unstable, d.suspect, d.skip = False, True, True
+        if self.spike_chain == 1:
+            d.skip_reason = ("loss spike again on unchanged weights at a steady LR "
+                             "(skipped; bad data or damaged weights)")
+            return
+        window = self.cfg.spike_confirm_window
+        d.ambiguous, d.skip_reason = True, ""  # the core names the outcome (rolled back, or no snapshot)
+        self.probation_until = s.step + 2 * window
+        d.actions.append(Action("rollback", s.step, f"{self.spike_chain + 1} loss spikes in a row on unchanged "
+                                "weights at a steady LR: bad data or damaged weights; rolled back without an LR "
+                                f"cut (a spike on the weights left, or a recurrence within {2 * window} steps, "
+                                "cuts it)",
+                                {"ambiguous": True}))
+
+    def extend_probation(self, steps_lost: int) -> None:
+        """An ambiguous rollback restored weights ``steps_lost`` steps back: the probation covers the
+        replay of those steps too."""
+        if self.probation_until is not None:
+            self.probation_until += max(0, int(steps_lost))
+
+    def start_probation(self, step: int) -> None:
+        """Back on the weights the spikes came on (nothing to replay): a recurrence within two
+        spike-confirm windows climbs the ladder."""
+        self.probation_until = step + 2 * self.cfg.spike_confirm_window
 
     def _skip_step(self, s: Signals, kinds: set[str], grad_ratio: float, d: Decision) -> None:
         if ({"nonfinite_loss", "nonfinite_grad"} & kinds) and self.cfg.skip_nonfinite:
@@ -154,7 +212,8 @@ class Policy:
     def state_dict(self) -> dict[str, Any]:
         return {"level": self.level, "last_escalation": self.last_escalation,
                 "escalations": list(self.escalations), "repeats": list(self.repeats),
-                "skip_streak": self.skip_streak, "healthy": self.healthy, "last_spike": self.last_spike}
+                "skip_streak": self.skip_streak, "healthy": self.healthy, "last_spike": self.last_spike,
+                "spike_chain": self.spike_chain, "probation_until": self.probation_until}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.level = state["level"]
@@ -164,3 +223,6 @@ class Policy:
         self.skip_streak = state["skip_streak"]
         self.healthy = state["healthy"]
         self.last_spike = state["last_spike"]
+        # states saved before the ambiguous-spike rule have neither entry
+        self.spike_chain = int(state.get("spike_chain", 0))
+        self.probation_until = state.get("probation_until")

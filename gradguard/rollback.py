@@ -65,6 +65,9 @@ class Rollback:
         #: the state a rollback left (when nothing bad had been applied to it), returned to if the
         #: restored weights show the data was to blame
         self._held: Any = None
+        #: an ambiguous rollback restored weights and put the ones it left aside: a clean batch next
+        #: takes training back to them on trial (:meth:`return_to_held`)
+        self.trial_due = False
         #: core hook: no update that taught nothing was applied since the last step that taught
         self.weights_clean: Callable[[], bool] | None = None
 
@@ -118,10 +121,14 @@ class Rollback:
         if self.snapshots is not None and clean and "not_after" not in a.params:
             self._held = self.snapshots.capture(a.step - 1)
 
-    def return_to_held(self, step: int) -> Action | None:
+    def return_to_held(self, step: int, trial: bool = False) -> Action | None:
         """A spike on restored, verified weights: the data was bad, so the weights the rollback left
-        were not to blame either; training goes back to them (steps not lost), still verified."""
+        were not to blame either; training goes back to them (steps not lost), still verified.
+        ``trial``: after an ambiguous rollback (:attr:`trial_due`) the restored weights met a clean
+        batch, which says nothing of the weights left; training goes back to them unverified (the
+        step is skipped): a spike on them next blames them, a clean batch clears them."""
         held, self._held = self._held, None
+        self.trial_due = False
         if held is None or self.snapshots is None:
             return None
         try:
@@ -131,7 +138,11 @@ class Rollback:
         self.lr.reapply_after_restore()
         self.lr.warm_left = 0  # back at the weights that ran at this LR: no re-warm-up
         self.detectors.restart()
-        self.verified = True
+        self.verified = not trial
+        if trial:
+            return Action("undo_rollback", step, "a clean batch on the weights an ambiguous rollback restored: back "
+                          f"to the weights of step {held.step} on trial (a spike on them next climbs the ladder)",
+                          {"to_step": held.step, "trial": True})
         return Action("undo_rollback", step, "spike on restored, verified weights: the data was bad, so the "
                       f"weights of step {held.step} were not to blame", {"to_step": held.step})
 
@@ -143,6 +154,7 @@ class Rollback:
         self.verified = False
         self._undo = None
         self._held = None
+        self.trial_due = False
         rc = self.config.recovery
         if self.snapshots is None:
             return
@@ -191,9 +203,11 @@ class Rollback:
         if "to_step" not in out:
             return out, []
         self.lr.reapply_after_restore()
-        self.lr.rewarm()
+        if not a.params.get("ambiguous"):  # an ambiguous rollback does not suspect the LR: no re-warm-up
+            self.lr.rewarm()
         self.detectors.restart()  # the restored weights get fresh windows
         self.verified = True
+        self.trial_due = bool(a.params.get("ambiguous")) and self._held is not None
         n_skip = self.config.recovery.skip_batches
         if not (n_skip and self.data_skip is not None):
             return out, []

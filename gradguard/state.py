@@ -206,7 +206,7 @@ def check_ranges(state: Mapping[str, Any]) -> None:
             if isinstance(v, (int, float)) and not 0 < v <= 1:
                 raise _bad_number(f"lr.{key}[{name!r}]", v, "in (0, 1]")
     policy = state["policy"]
-    for key in ("level", "skip_streak", "healthy"):
+    for key in ("level", "skip_streak", "healthy", "spike_chain"):
         v = policy.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v < 0:
             raise _bad_number(f"policy.{key}", v, "an int >= 0")

@@ -58,7 +58,8 @@ def build(stage: int, scenario: str, out: str) -> tuple[object, gg.Guard]:
                  "zero_allow_untested_optimizer": True, **extra}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out},
-                                 policy={"ladder": [["rollback", "lower_lr"]]},
+                                 # the 2-batch spike window escalates at its second spike, as the rollback checks want
+                                 policy={"ladder": [["rollback", "lower_lr"]], "ambiguous_spikes": False},
                                  recovery={"snapshot_interval": 2, "confirm_steps": 1}, detect={"warmup_steps": 3})
     if scenario == "monitor":  # watching only: DeepSpeed clips and skips as configured
         conf = gg.GuardConfig.preset("monitor", output={"console": False, "dir": out}, detect={"warmup_steps": 3})

@@ -158,8 +158,9 @@ def main(out: str, strategy: str, scenario: str) -> None:
 
     module = Lit(strategy)
     seed = {k: v.clone() for k, v in module.net.state_dict().items()}
+    # the 2-batch spike window escalates at its second spike, as the rollback checks want
     conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out},
-                                 policy={"ladder": [["rollback", "lower_lr"]]},
+                                 policy={"ladder": [["rollback", "lower_lr"]], "ambiguous_spikes": False},
                                  recovery={"snapshot_interval": 2, "confirm_steps": 1,
                                            "skip_batches": 1},
                                  detect={"warmup_steps": 3}, clip={"max_norm": 0.3, "floor": 0.1})

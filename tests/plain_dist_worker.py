@@ -168,7 +168,10 @@ def main(out: str, strategy: str, scenario: str) -> None:
         over["clip"] = {"max_norm": 0.4, "floor": 0.1}
     if strategy in ("tp", "fsdp_tp"):  # parameter norms and update ratios (DTensor and plain parameters) every 3 steps
         over["measure"] = {"log_interval": 3}
-    conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out}, policy={"ladder": ladder},
+    # the 2-batch spike window escalates at its second spike, as the rollback checks want
+    # (``ambiguous``: a 3-batch window held as ambiguous: a rollback without a cut, a return on trial)
+    conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out},
+                                 policy={"ladder": ladder, "ambiguous_spikes": scenario == "ambiguous"},
                                  recovery=recovery, detect={"warmup_steps": 3}, **over)
     if scenario == "monitor_clip":  # a watching guard applying the user's fixed clip; no faults
         conf = gg.GuardConfig.preset("monitor", output={"console": False, "dir": out},
@@ -185,11 +188,12 @@ def main(out: str, strategy: str, scenario: str) -> None:
     for step in range(1, STEPS + 1):
         x, y = batch(step, data_rank)
         faults = scenario != "monitor_clip"
-        if faults and rank == 1 and step in (6, 7):
+        window = (6, 7, 8) if scenario == "ambiguous" else (6, 7)
+        if faults and rank == 1 and step in window:
             y = torch.randint(0, 5, y.shape, generator=torch.Generator().manual_seed(step))  # garbage labels
             x = x * 300
         loss = nn.functional.cross_entropy(model(x), y)
-        if faults and rank == 1 and step in (6, 7):
+        if faults and rank == 1 and step in window:
             loss = loss * 50  # the garbage window's loss spike, on rank 1 only
         if faults and rank == 1 and step == 4:
             loss = loss * float("nan")  # a NaN in rank 1's batch only

@@ -68,8 +68,9 @@ def main(out: str, strategy: str, scenario: str) -> None:
     model = nn.parallel.DistributedDataParallel(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ctl = BatchController(samples(rank), BATCH, shuffle=False)
-    over: dict = {"policy": {"ladder": [["shrink_batch"]]}, "recovery": {"snapshot_interval": 0}} \
-        if scenario == "shrink" else {}
+    # shrink: the 2-step spike escalates at its second step (ambiguous_spikes off)
+    over: dict = {"policy": {"ladder": [["shrink_batch"]], "ambiguous_spikes": False},
+                  "recovery": {"snapshot_interval": 0}} if scenario == "shrink" else {}
     conf = gg.GuardConfig.preset("default", output={"console": False, "dir": out}, detect={"warmup_steps": 3},
                                  **over)
     guard = gg.Guard(model, opt, config=conf, batches=ctl)

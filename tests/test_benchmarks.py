@@ -228,6 +228,27 @@ def test_compound_noise_band_judges_harm_against_the_jittered_unguarded_runs():
                                             "rows": [{**r, "jitter": []} for r in rows], "summary": plain})
 
 
+def test_compound_draw_adds_short_garbage_windows_without_moving_the_other_runs():
+    """Every master seed draws, per model family, a garbage window of exactly 2 batches (the
+    ambiguous case: two spikes on unchanged weights) and one of 1, 3 or 4, from a stream of its own:
+    the 36 runs drawn before them are unchanged (a new scenario never reshuffles a held-out set)."""
+    import compound
+
+    for master in (0, 7):
+        runs = compound.draw(master, list(compound.FAMILIES), 150)
+        short = [r for r in runs if r.scenario == "garbage_short"]
+        assert sorted(r.model for r in short if r.fault_len == 2) == sorted(compound.FAMILIES)
+        assert all(r.fault_len in (1, 3, 4) for r in short[1::2]) and len(short) == 2 * len(compound.FAMILIES)
+        assert all(60 <= r.onset <= 90 and r.fault == "garbage" for r in short)
+        before = [r for r in runs if r.scenario != "garbage_short"]
+        assert len(before) == 36 and runs[:36] == before
+    md = compound.markdown({"master_seed": 0, "steps": 150, "engine": "plain", "summary": compound.judge(
+        rows := [{**compound.asdict(short[0]), **{k: {"eval": 2.5, "actions": {}}
+                                                   for k in ("reference", "unguarded", "gradguard")}}]),
+        "rows": rows})
+    assert "| garbage_short (2) |" in md
+
+
 def test_unseen_setups_judge_false_alarms_and_both_baselines(monkeypatch):
     """``unseen.py``: a short real run per arm of a non-text setup, then the judgement: actions on a
     healthy run are false alarms; the guard is compared with the clipped and the unclipped user."""

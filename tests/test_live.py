@@ -89,7 +89,8 @@ def test_hf_wandb_and_tensorboard_show_every_event_at_its_step(wandb_offline, tm
 
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     sink = gg.WandbSink()  # as the README suggests: started before the Trainer, which reuses the run
-    cb = GradGuardCallback(cfg(tmp_path), sinks=[sink])
+    # the 2-step spike escalates at its second step (an action to show), not held as ambiguous
+    cb = GradGuardCallback(cfg(tmp_path, policy={"ambiguous_spikes": False}), sinks=[sink])
     trainer = make_trainer(tmp_path, [cb], steps=60, logging_steps=500, report_to=["wandb", "tensorboard"])
     inject(trainer, {**{s: float("nan") for s in HF_NAN}, **{s: 300.0 for s in HF_SPIKE}})
     trainer.train()

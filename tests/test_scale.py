@@ -140,6 +140,19 @@ def test_fault_on_one_rank_same_actions_on_both_and_norms_of_one_process(tmp_pat
         assert close(r0["params"], run(tmp_path_factory, "ddp")[0]["params"])
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_three_bad_batches_on_one_rank_roll_back_without_a_cut_and_return_on_trial_on_every_rank(
+        tmp_path_factory, strategy):
+    """Three spikes on one rank's batches, at a steady LR (``policy.ambiguous_spikes``): both ranks
+    skip the first two, roll back at the third without an LR cut, and at the next (clean) batch
+    return to the weights they left, on trial: the same steps, the same weights on both ranks."""
+    r0, r1 = run(tmp_path_factory, strategy, "ambiguous")
+    same_decisions(r0, r1)
+    assert r0["skipped"] == [4, 6, 7, 8, 9]
+    assert [a[:2] for a in r0["actions"]] == [[8, "rollback"], [9, "undo_rollback"]]
+    assert r0["mult"] == 1.0
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1_one", "zero"])
 def test_clip_with_the_global_norm_adam_change_and_a_layer_lr_on_every_rank(tmp_path_factory, strategy):
     """Clipping on healthy steps, the adam rung, and from step 3 the middle layer's LR x0.1 (under

@@ -153,7 +153,9 @@ def test_a_step_blamed_on_the_data_teaches_nothing_and_windows_restart_after_a_r
     rep = run(core, sig(rolled.step + 1, loss=500.0, ln_share=0.5))
     assert rep.blamed_on_data and not teaches(rep)
     names = [a.name for a in rep.actions]
-    assert "undo_rollback" in names and "revert_lr" in names
+    # the LR cut (if the rollback came with one) is reverted; an ambiguous rollback made none
+    cut = any(a.name == "lower_lr" for a in rolled.actions)
+    assert "undo_rollback" in names and ("revert_lr" in names) is cut
     undo = next(a for a in rep.actions if a.name == "undo_rollback")
     assert undo.params["to_step"] == rolled.step - 1
     # the detectors are those of the weights taken back: what the 30 healthy steps taught, no more
