@@ -122,6 +122,24 @@ def _advise_optimizer(actions: list[dict[str, Any]], settings: dict[str, Any], l
                      f"(from {shrinks[0]['params']['batch'][0]})")
 
 
+def _not_the_datas(actions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The actions without those the data was to blame for: a rollback the guard held as ambiguous
+    (spikes on unchanged weights at a steady LR: ``params.ambiguous``), and an escalation (its
+    rollback, LR cut, clip...) undone once the restored weights met bad data too (a ``revert_lr``
+    or a ``undo_rollback`` that is not a trial). What is left answered real instabilities."""
+    undone_steps: set[int] = set()
+    for i, a in enumerate(actions):
+        p = a.get("params") or {}
+        if a.get("name") == "revert_lr" or (a.get("name") == "undo_rollback" and not p.get("trial")):
+            earlier = [b for b in actions[:i] if b.get("name") == "rollback"
+                       and int(b.get("step", 0)) < int(a.get("step", 0))]
+            if earlier and not (earlier[-1].get("params") or {}).get("ambiguous"):
+                undone_steps.add(int(earlier[-1].get("step", 0)))
+    return [a for a in actions
+            if not (a.get("name") == "rollback" and (a.get("params") or {}).get("ambiguous"))
+            and not (int(a.get("step", 0)) in undone_steps and a.get("name") in UNSTABLE_ACTIONS)]
+
+
 def advise(*, actions: list[dict[str, Any]], summary: dict[str, Any], config: dict[str, Any] | None = None,
            optimizer: dict[str, Any] | None = None, engine: str | None = None) -> dict[str, Any]:
     """Concrete settings for the next run, from the actions the guard took (JSONL ``action``
@@ -136,6 +154,7 @@ def advise(*, actions: list[dict[str, Any]], summary: dict[str, Any], config: di
     steps = int(summary.get("steps") or 0)
     settings: dict[str, Any] = {}
     lines: list[str] = []
+    actions = _not_the_datas(actions)
     unstable = [a for a in actions if a.get("name") in UNSTABLE_ACTIONS]
     names = {a.get("name") for a in actions}
     if not unstable:

@@ -166,3 +166,28 @@ def test_the_advice_names_each_engines_own_setting_and_states_each_value_once(en
     two = advise(actions=actions, summary={"steps": 250, "lr_multiplier": 0.03, "max_grad_norm": 1.0},
                  optimizer={"groups": [{"lr": 0.1}, {"lr": 0.01}]}, engine=engine)
     assert "group 0: 0.1 -> 0.003, group 1: 0.01 -> 0.0003" in two["lines"][0]
+
+
+def test_the_advice_leaves_out_what_the_data_was_to_blame_for():
+    """A rollback held as ambiguous, and an escalation undone once the restored weights met bad data
+    (``revert_lr`` / ``undo_rollback``), answered bad data, not an instability: no advice from them;
+    a real instability before them still advises its LR and clip."""
+    summary = {"steps": 300, "lr_multiplier": 1.0, "max_grad_norm": 1.0}
+    data_escalation = [
+        {"name": "rollback", "step": 60, "params": {"to_step": 50}},
+        {"name": "lower_lr", "step": 60, "params": {"from": 1.0, "to": 0.3}},
+        {"name": "tighten_clip", "step": 60, "params": {"from": 1.0, "to": 0.5}},
+        {"name": "revert_lr", "step": 61, "params": {"lr_multiplier": 1.0, "max_grad_norm": 1.0}},
+        {"name": "undo_rollback", "step": 61, "params": {"to_step": 59}}]
+    ambiguous = [{"name": "rollback", "step": 92, "params": {"ambiguous": True, "to_step": 50}},
+                 {"name": "undo_rollback", "step": 93, "params": {"to_step": 91, "trial": True}}]
+    for actions in (data_escalation, ambiguous, data_escalation + ambiguous):
+        assert advise(actions=actions, summary=summary)["lines"][0].startswith("nothing to change")
+    real = [{"name": "rollback", "step": 8, "params": {"to_step": 0}},
+            {"name": "lower_lr", "step": 8, "params": {"from": 1.0, "to": 0.3}},
+            {"name": "tighten_clip", "step": 8, "params": {"from": 1.0, "to": 0.5}}]
+    ambiguous_data = [{"name": "rollback", "step": 92, "params": {"ambiguous": True, "to_step": 50}},
+                      {"name": "undo_rollback", "step": 93, "params": {"to_step": 91}}]
+    out = advise(actions=real + ambiguous_data, summary={**summary, "lr_multiplier": 0.3},
+                 optimizer={"groups": [{"lr": 0.01}]}, engine="plain")
+    assert out["settings"]["lr_factor"] == 0.3 and out["settings"]["max_grad_norm"] == 0.5
