@@ -122,7 +122,7 @@ def _advise_optimizer(actions: list[dict[str, Any]], settings: dict[str, Any], l
                      f"(from {shrinks[0]['params']['batch'][0]})")
 
 
-def _not_the_datas(actions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _without_data_faults(actions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The actions without those the data was to blame for: a rollback the guard held as ambiguous
     (spikes on unchanged weights at a steady LR: ``params.ambiguous``), and an escalation (its
     rollback, LR cut, clip...) undone once the restored weights met bad data too (a ``revert_lr``
@@ -154,7 +154,7 @@ def advise(*, actions: list[dict[str, Any]], summary: dict[str, Any], config: di
     steps = int(summary.get("steps") or 0)
     settings: dict[str, Any] = {}
     lines: list[str] = []
-    actions = _not_the_datas(actions)
+    actions = _without_data_faults(actions)
     unstable = [a for a in actions if a.get("name") in UNSTABLE_ACTIONS]
     names = {a.get("name") for a in actions}
     if not unstable:

@@ -55,6 +55,24 @@ def test_spike_rolls_back_and_the_lr_multiplier_survives_the_scheduler(tmp_path,
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_three_spikes_on_unchanged_weights_roll_back_without_a_cut_and_return_on_trial(tmp_path, engine):
+    """Past the detectors' warm-up at a decaying LR: the first two spikes are skipped, the third
+    rolls back without an LR cut, and the next (clean) batch takes training back to the weights the
+    rollback left, on trial (that step skipped): the weights of the last applied step before the spikes."""
+    c = cfg(tmp_path, recovery={"snapshot_interval": 3, "confirm_steps": 1}, detect={"warmup_steps": 3})
+    rec = RUNNERS[engine](tmp_path, c, steps=13, faults={8: 50.0, 9: 50.0, 10: 50.0}, opt_kind="sgd")
+    assert rec.error is None
+    rb = actions(rec, "rollback")
+    assert len(rb) == 1 and rb[0]["step"] == 10 and rb[0]["params"]["ambiguous"] is True
+    undo = actions(rec, "undo_rollback")
+    assert len(undo) == 1 and undo[0]["step"] == 11 and undo[0]["params"]["trial"] is True
+    assert not actions(rec, "lower_lr") and rec.core.lr.current() == 1.0
+    assert torch.equal(rec.weights[11], rec.weights[7])  # back on the weights the spikes came on
+    assert not torch.equal(rec.weights[12], rec.weights[11])  # and training went on from them
+    assert rec.core.skipped_steps == 4
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("raises", [True, False])
 def test_halt_writes_the_diagnosis_then_raises_or_only_stops(tmp_path, engine, raises):
     c = cfg(tmp_path, policy={"ladder": [["halt"]]}, recovery={"snapshot_interval": 0},
