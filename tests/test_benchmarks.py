@@ -271,3 +271,22 @@ def test_unseen_setups_judge_false_alarms_and_both_baselines(monkeypatch):
     assert s["better_than_clip1"] == 1
     md = unseen.markdown({"rows": rows, "summary": s})
     assert "| lr10 | rmsprop | 2.5000 | 2.6000 | 2.6200 | 1.008 | 1.048 | - |" in md
+
+
+def test_step_ratio_reads_the_step_against_its_own_batch_and_the_rule_cuts_only_below_tau():
+    """``step_ratio.py`` (issue 26 study): the ratio of the loss change on the step's own batch to its
+    first-order prediction is at least about 1 for a tiny LR (above 1 in the first steps) and below 0.5 for a huge one; the candidate rule
+    leaves a run it never fires on identical to the unguarded one and cuts the LR where it fires."""
+    import step_ratio
+
+    tiny = step_ratio.train("gpt", 1e-4, 0, None, steps=12)
+    huge = step_ratio.train("gpt", 1.0, 0, None, steps=12)
+    assert tiny["phases"][0] > 0.8 and huge["phases"][0] < 0.5
+    assert tiny["phases"][2:] == [None] * (len(step_ratio.PHASES) - 2)
+    never = {"tau": -100.0, "window": 4, "cut": 0.5, "start": 1}
+    assert step_ratio.train("gpt", 1e-4, 0, never, steps=12)["eval"] == tiny["eval"]
+    fires = step_ratio.train("gpt", 1.0, 0, {**never, "tau": 0.5}, steps=12)
+    assert fires["cuts"] and all(c[1] < 0.5 for c in fires["cuts"]) and fires["eval"] != huge["eval"]
+    md = step_ratio.markdown({"steps": 12, "rule": never, "rows": [
+        {"model": "gpt", "lr": 1.0, "seed": 0, "unguarded": huge, "rule": fires}]})
+    assert "| gpt | 1 | 0 |" in md and "| - |" in md
