@@ -22,7 +22,6 @@ windowed ratio by phase, both arms' eval losses, the rule's cuts.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -44,11 +43,8 @@ PHASES = [(1, 10), (11, 20), (21, 30), (31, 60), (61, 100), (101, 200)]
 def train(model_name: str, lr: float, seed: int, rule: dict[str, float] | None, steps: int = 300) -> dict[str, Any]:
     run = C.Run("step_ratio", model_name, seed, steps, lr)
     model, data = C.start(run)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warm = int(run.warmup_frac * steps)
-
-    def lam(s: int) -> float:
-        return (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm)))
+    opt, sched = C.optimizer(run, model)  # compound.py's AdamW and warm-up + cosine
+    lam = sched.lr_lambdas[0]  # set by hand below: the rule's multiplier rides on the schedule
 
     params = list(model.parameters())
     mult, cool, cuts = 1.0, 0, []
@@ -96,7 +92,8 @@ def markdown(doc: dict[str, Any]) -> str:
              "|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|" + ("---|---|" if gg else "")]
     for r in doc["rows"]:
         u, g = r["unguarded"], r["rule"]
-        lines.append(f"| {r['model']} | {r['lr']:g} | {r['seed']} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in u["phases"])
+        ratios = " | ".join("-" if v is None else f"{v:.2f}" for v in u["phases"])
+        lines.append(f"| {r['model']} | {r['lr']:g} | {r['seed']} | {ratios}"
                      + f" | {u['eval']:.3f} | {g['eval']:.3f} | {g['eval'] / u['eval']:.3f} | "
                      + (", ".join(f"({c[0]}, {c[1]}, {c[2]:.2g})" for c in g["cuts"]) or "-") + " |"
                      + (f" {r['gradguard']['eval'] / u['eval']:.3f} | "
@@ -131,8 +128,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     g = C.train(C.Run("step_ratio", model, seed, args.steps, lr), "gradguard")
                     row["gradguard"] = {"eval": g["eval"], "actions": g["actions"]}
                 rows.append(row)
+                gg = row.get("gradguard", {}).get("eval", float("nan"))
                 print(f"{model} {lr:g} seed {seed}: unguarded {row['unguarded']['eval']:.3f} rule "
-                      f"{row['rule']['eval']:.3f} gradguard {row.get('gradguard', {}).get('eval', float('nan')):.3f} cuts {row['rule']['cuts']} ({time.time() - t0:.0f}s)", flush=True)
+                      f"{row['rule']['eval']:.3f} gradguard {gg:.3f} cuts {row['rule']['cuts']} "
+                      f"({time.time() - t0:.0f}s)", flush=True)
     doc = {"steps": args.steps, "rule": rule, "rows": rows, "environment": environment(),
            "seconds": round(time.time() - t0)}
     write_results(os.path.join(RESULTS_DIR, f"step-ratio{args.tag}"), doc, markdown(doc))

@@ -275,8 +275,9 @@ def test_unseen_setups_judge_false_alarms_and_both_baselines(monkeypatch):
 
 def test_step_ratio_reads_the_step_against_its_own_batch_and_the_rule_cuts_only_below_tau():
     """``step_ratio.py`` (issue 26 study): the ratio of the loss change on the step's own batch to its
-    first-order prediction is at least about 1 for a tiny LR (above 1 in the first steps) and below 0.5 for a huge one; the candidate rule
-    leaves a run it never fires on identical to the unguarded one and cuts the LR where it fires."""
+    first-order prediction is at least about 1 for a tiny LR (above 1 in the first steps) and below 0.5
+    for a huge one; the candidate rule leaves a run it never fires on identical to the unguarded one and
+    cuts the LR where it fires."""
     import step_ratio
 
     tiny = step_ratio.train("gpt", 1e-4, 0, None, steps=12)
