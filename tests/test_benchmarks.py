@@ -291,3 +291,45 @@ def test_step_ratio_reads_the_step_against_its_own_batch_and_the_rule_cuts_only_
     md = step_ratio.markdown({"steps": 12, "rule": never, "rows": [
         {"model": "gpt", "lr": 1.0, "seed": 0, "unguarded": huge, "rule": fires}]})
     assert "| gpt | 1 | 0 |" in md and "| - |" in md
+
+
+def test_warmup_damage_branches_replay_the_run_and_the_logit_matches_attention():
+    """``warmup_damage.py`` (issue 26 study): a cut branch at factor 1 and the attention-only arm at
+    factor 1 replay the unguarded run to the last digit (snapshots, the schedule and the per-group LR are
+    right), a factor below 1 changes it; the largest attention logit is the one behind
+    ``nn.MultiheadAttention``'s own weights, and the W_q^T W_k growth is 1x at initialisation."""
+    import compound
+    import warmup_damage as W
+
+    same = W.study("gpt", 1e-2, 0, 12, [3], 1.0, 2, [6])
+    assert same["cuts"][3]["eval"] == same["unguarded"]["eval"] == same["attn"]
+    assert same["cuts"][3]["gain"] == {} and same["unguarded"]["logit"][6] > 0  # no probe past the end
+    cut = W.study("gpt", 1e-2, 0, 12, [3], 0.1, 2, [6], rollback_from=6)
+    assert cut["unguarded"]["eval"] == same["unguarded"]["eval"]
+    assert cut["rollback"]["to"] == 3 and cut["rollback"]["eval"] != cut["cuts"][3]["eval"]  # steps 4-6 lost
+    assert cut["cuts"][3]["eval"] != cut["unguarded"]["eval"] and cut["attn"] != cut["unguarded"]["eval"]
+    assert "attn" not in W.study("conv", 1e-2, 0, 8, [3], 0.5, 2, [4])  # no attention: no attention arm
+
+    model, data = compound.start(compound.Run("t", "gpt", 0, 4, 1e-2))
+    x, _ = data.train_batch(2, torch.Generator().manual_seed(0))
+    assert W.qk_gain(model) and all(g > 0 for g in W.qk_gain(model))
+    seen = []
+    mha = [m for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)]
+    hook = mha[0].register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    top = W.max_attention_logit(model, x)
+    hook.remove()
+    # the softmax of the logits behind the top one: compare with the module's own attention weights
+    e, h = mha[0].embed_dim, mha[0].num_heads
+    with torch.no_grad():
+        _, weights = mha[0](seen[0], seen[0], seen[0], need_weights=True, average_attn_weights=False)
+        w, b = mha[0].in_proj_weight, mha[0].in_proj_bias
+        q = (seen[0] @ w[:e].T + b[:e]).unflatten(-1, (h, e // h)).transpose(1, 2)
+        k = (seen[0] @ w[e:2 * e].T + b[e:2 * e]).unflatten(-1, (h, e // h)).transpose(1, 2)
+        logits = q @ k.transpose(-1, -2) / (e // h) ** 0.5
+    assert torch.allclose(logits.softmax(-1), weights, atol=1e-5)
+    assert top >= float(logits.abs().amax()) - 1e-5
+    md = W.markdown({"steps": 12, "factor": 0.1, "cut_at": [3], "logit_at": [6],
+                     "rows": [{"model": "gpt", "lr": 1e-2, "seed": 0, "out": cut}]})
+    row = next(line for line in md.splitlines() if line.startswith("| gpt | 0.01 | 0 |"))
+    assert (f"| {cut['unguarded']['eval']:.3f} | {cut['cuts'][3]['eval']:.3f} () | {cut['rollback']['eval']:.3f} "
+            f"(6 -> 3) | {cut['attn']:.3f} |") in row
