@@ -20,6 +20,9 @@ then cosine, the arms are:
   as in a guard's rollback (the batch stream and the schedule go on);
 - ``attn x f``: the attention input projections (``in_proj``) alone at ``--factor`` x the LR from
   the first step, everything else as unguarded: does the damage sit in attention?
+- ``attn x f past G``: the same from the step the product ||W_q||_F ||W_k||_F of some attention
+  first grows past ``G`` x its initial value (``--triggers``): a trigger read from the weights
+  alone, with a remedy whose false alarm is cheap (the attention arm costs little at the best LR).
 
 Output: ``benchmarks/results/warmup-damage.{json,md}``.
 """
@@ -88,16 +91,28 @@ def qk_gain(model: torch.nn.Module) -> list[float]:
     return out
 
 
+def qk_frobenius(model: torch.nn.Module) -> list[float]:
+    """Per ``nn.MultiheadAttention``: ||W_q||_F * ||W_k||_F, a bound on every head's logit scale that
+    needs neither the head count nor a forward pass."""
+    with torch.no_grad():
+        return [float(m.in_proj_weight[:m.embed_dim].norm() * m.in_proj_weight[m.embed_dim:2 * m.embed_dim].norm())
+                for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)]
+
+
 def study(model_name: str, lr: float, seed: int, steps: int, cut_at: list[int], factor: float, n_probe: int,
-          logit_at: list[int], rollback_from: int | None = None) -> dict[str, Any]:
+          logit_at: list[int], rollback_from: int | None = None, triggers: tuple[float, ...] = ()) -> dict[str, Any]:
     run = C.Run("warmup_damage", model_name, seed, steps, lr)
     model, data = C.start(run)
-    opt, sched = C.optimizer(run, model)
+    _, sched = C.optimizer(run, model)
     lam = sched.lr_lambdas[0]
     stream = list(C.batches(run, data))
     pg = torch.Generator().manual_seed(70_000 + seed)  # held out: a stream no step trains on
     probe = [data.train_batch(C.BATCH, pg) for _ in range(n_probe)]
     attn = [p for n, p in model.named_parameters() if "in_proj" in n]
+    ids = {id(p) for p in attn}
+    # compound.py's AdamW, the attention projections in a group of their own (bitwise the same run)
+    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if id(p) not in ids], "m": 1.0},
+                             {"params": attn, "m": 1.0}], lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
 
     def step(i: int, mult: float) -> None:
         for g in opt.param_groups:
@@ -113,10 +128,17 @@ def study(model_name: str, lr: float, seed: int, steps: int, cut_at: list[int], 
     probe_at = {k + d for k in cut_at for d in PROBE_AFTER}
     unguarded: dict[str, Any] = {"probe": {}, "logit": {}, "qk_growth": {}}
     qk0 = qk_gain(model)
+    f0 = qk_frobenius(model)
+    crossed: dict[float, tuple[int, Any, Any]] = {}  # growth line -> (step, weights, optimizer) when crossed
     for i in range(1, steps + 1):
         if i - 1 in cut_at:
             snaps[i - 1] = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
         step(i, 1.0)
+        if f0 and any(g not in crossed for g in triggers):
+            growth = max(a / b for a, b in zip(qk_frobenius(model), f0))
+            for g in triggers:
+                if g not in crossed and growth > g:
+                    crossed[g] = (i, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
         if i in probe_at:
             unguarded["probe"][i] = evaluate(model, probe)
         if i in logit_at:
@@ -141,14 +163,20 @@ def study(model_name: str, lr: float, seed: int, steps: int, cut_at: list[int], 
         for i in range(rollback_from + 1, steps + 1):
             step(i, factor)
         out["rollback"] = {"from": rollback_from, "to": k, "eval": evaluate(model, C.eval_batches(data))}
-    if attn:
-        model.load_state_dict(start[0])
-        ids = {id(p) for p in attn}
-        opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if id(p) not in ids]},
-                                 {"params": attn, "m": factor}], lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-        for i in range(1, steps + 1):
-            step(i, 1.0)
-        out["attn"] = evaluate(model, C.eval_batches(data))
+    if attn:  # the attention projections at factor x the LR: from the first step, or once a growth line is crossed
+        arms = [("attn", 0, start)] + [(g, c[0], (c[1], c[2])) for g, c in sorted(crossed.items())]
+        out["trigger"] = {}
+        for name, at_step, (weights, state) in arms:
+            model.load_state_dict(weights)
+            opt.load_state_dict(state)
+            opt.param_groups[1]["m"] = factor
+            for i in range(at_step + 1, steps + 1):
+                step(i, 1.0)
+            ev = evaluate(model, C.eval_batches(data))
+            if name == "attn":
+                out["attn"] = ev
+            else:
+                out["trigger"][name] = {"step": at_step, "eval": ev}
     return out
 
 
@@ -164,8 +192,9 @@ def markdown(doc: dict[str, Any]) -> str:
              "",
              "| model | lr | seed | unguarded | " + " | ".join(f"cut@{k}" for k in cut_at)
              + " | rollback |" + f" attn x{f:.2g} | max attn logit ({', '.join(str(s) for s in doc['logit_at'])})"
-             + " | W_q^T W_k growth since init (same steps) |",
-             "|---|---|---|---|" + "---|" * len(cut_at) + "---|---|---|---|"]
+             + " | W_q^T W_k growth since init (same steps) |"
+             + "".join(f" attn x{f:.2g} past {g:g}x (step) |" for g in doc.get("triggers", [])),
+             "|---|---|---|---|" + "---|" * len(cut_at) + "---|---|---|---|" + "---|" * len(doc.get("triggers", []))]
     for r in doc["rows"]:
         o = r["out"]
         cuts = []
@@ -177,8 +206,11 @@ def markdown(doc: dict[str, Any]) -> str:
         attn = f"{o['attn']:.3f}" if "attn" in o else "-"
         back = f"{o['rollback']['eval']:.3f} ({o['rollback']['from']} -> {o['rollback']['to']})" if "rollback" in o else "-"
         growth = ", ".join(f"{v:.1f}x" for v in o["unguarded"].get("qk_growth", {}).values()) or "-"
+        fired = {float(g): t for g, t in o.get("trigger", {}).items()}
+        trig = "".join(f" {fired[g]['eval']:.3f} ({fired[g]['step']}) |" if g in fired else " - |"
+                       for g in doc.get("triggers", []))
         lines.append(f"| {r['model']} | {r['lr']:g} | {r['seed']} | {o['unguarded']['eval']:.3f} | "
-                     + " | ".join(cuts) + f" | {back} | {attn} | {logits} | {growth} |")
+                     + " | ".join(cuts) + f" | {back} | {attn} | {logits} | {growth} |" + trig)
     return "\n".join(lines) + "\n"
 
 
@@ -196,24 +228,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cut-at", default="10,20,30")
     ap.add_argument("--logit-at", default="10,30,60")
     ap.add_argument("--rollback-from", type=int, default=40)
+    ap.add_argument("--triggers", default="1.1,1.2,1.3,1.5",
+                    help="growth lines of ||W_q||_F ||W_k||_F: the attention arm from the step one is crossed")
     ap.add_argument("--probe-batches", type=int, default=8)
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     cut_at = [int(v) for v in args.cut_at.split(",")]
     logit_at = [int(v) for v in args.logit_at.split(",")]
+    triggers = tuple(float(v) for v in args.triggers.split(",") if v)
     rows, t0 = [], time.time()
     for model in args.models.split(","):
         for lr in (float(v) for v in (args.lrs or DEFAULT_LRS[model]).split(",")):
             for seed in (int(v) for v in args.seeds.split(",")):
                 o = study(model, lr, seed, args.steps, cut_at, args.factor, args.probe_batches, logit_at,
-                          args.rollback_from)
+                          args.rollback_from, triggers)
                 rows.append({"model": model, "lr": lr, "seed": seed, "out": o})
                 print(f"{model} {lr:g} seed {seed}: unguarded {o['unguarded']['eval']:.3f} "
                       + " ".join(f"cut@{k} {c['eval']:.3f}" for k, c in o["cuts"].items())
                       + f" rollback {o.get('rollback', {}).get('eval', float('nan')):.3f}"
-                        f" attn {o.get('attn', float('nan')):.3f} logits {o['unguarded']['logit']} "
+                        f" attn {o.get('attn', float('nan')):.3f} trigger {o.get('trigger')} logits {o['unguarded']['logit']} "
                         f"({time.time() - t0:.0f}s)", flush=True)
-    doc = {"steps": args.steps, "factor": args.factor, "cut_at": cut_at, "rollback_from": args.rollback_from, "logit_at": logit_at, "rows": rows,
+    doc = {"steps": args.steps, "factor": args.factor, "cut_at": cut_at, "rollback_from": args.rollback_from,
+           "triggers": list(triggers), "logit_at": logit_at, "rows": rows,
            "environment": environment(), "seconds": round(time.time() - t0)}
     write_results(os.path.join(RESULTS_DIR, f"warmup-damage{args.tag}"), doc, markdown(doc))
     print(markdown(doc))

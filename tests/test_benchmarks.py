@@ -301,10 +301,12 @@ def test_warmup_damage_branches_replay_the_run_and_the_logit_matches_attention()
     import compound
     import warmup_damage as W
 
-    same = W.study("gpt", 1e-2, 0, 12, [3], 1.0, 2, [6])
-    assert same["cuts"][3]["eval"] == same["unguarded"]["eval"] == same["attn"]
+    same = W.study("gpt", 1e-2, 0, 12, [3], 1.0, 2, [6], triggers=(1.0001, 1e9))
+    assert same["cuts"][3]["eval"] == same["unguarded"]["eval"] == same["attn"] == same["trigger"][1.0001]["eval"]
+    assert 1 <= same["trigger"][1.0001]["step"] <= 12 and 1e9 not in same["trigger"]  # a line never crossed: no arm
     assert same["cuts"][3]["gain"] == {} and same["unguarded"]["logit"][6] > 0  # no probe past the end
-    cut = W.study("gpt", 1e-2, 0, 12, [3], 0.1, 2, [6], rollback_from=6)
+    cut = W.study("gpt", 1e-2, 0, 12, [3], 0.1, 2, [6], rollback_from=6, triggers=(1.0001,))
+    assert cut["trigger"][1.0001]["eval"] not in (cut["unguarded"]["eval"], cut["attn"])
     assert cut["unguarded"]["eval"] == same["unguarded"]["eval"]
     assert cut["rollback"]["to"] == 3 and cut["rollback"]["eval"] != cut["cuts"][3]["eval"]  # steps 4-6 lost
     assert cut["cuts"][3]["eval"] != cut["unguarded"]["eval"] and cut["attn"] != cut["unguarded"]["eval"]
@@ -328,8 +330,9 @@ def test_warmup_damage_branches_replay_the_run_and_the_logit_matches_attention()
         logits = q @ k.transpose(-1, -2) / (e // h) ** 0.5
     assert torch.allclose(logits.softmax(-1), weights, atol=1e-5)
     assert top >= float(logits.abs().amax()) - 1e-5
-    md = W.markdown({"steps": 12, "factor": 0.1, "cut_at": [3], "logit_at": [6],
+    md = W.markdown({"steps": 12, "factor": 0.1, "cut_at": [3], "logit_at": [6], "triggers": [1.0001, 2.0],
                      "rows": [{"model": "gpt", "lr": 1e-2, "seed": 0, "out": cut}]})
     row = next(line for line in md.splitlines() if line.startswith("| gpt | 0.01 | 0 |"))
     assert (f"| {cut['unguarded']['eval']:.3f} | {cut['cuts'][3]['eval']:.3f} () | {cut['rollback']['eval']:.3f} "
             f"(6 -> 3) | {cut['attn']:.3f} |") in row
+    assert row.endswith(f" {cut['trigger'][1.0001]['eval']:.3f} ({cut['trigger'][1.0001]['step']}) | - |")
