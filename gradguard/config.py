@@ -368,7 +368,9 @@ class RecoveryConfig:
     snapshot_interval: int = 50
     """Take a snapshot every this many applied steps (0 disables snapshots and rollback). During the
     first interval the initial weights are kept beside the ring (one snapshot more than
-    ``ring_size``), so a run that blows up before it learned anything restarts from them."""
+    ``ring_size``), so a run that blows up before it learned anything restarts from them; while the
+    scheduler's LR still rises and for two ``detect.takeover_window`` after it stops (up to step
+    4 x this interval), they are kept too, so a norm takeover the warm-up caused restarts from them."""
 
     ring_size: int = 2
     """How many healthy snapshots are kept."""

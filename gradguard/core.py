@@ -361,11 +361,32 @@ class GuardCore(EngineAPI):
         # a takeover since the first steps (the body never learned): the LR is grossly too high, as
         # with a blow-up before the run learned anything, so the LR gets the same deep cut
         warm = self.config.detect.warmup_steps
-        from_start = any(f.kind == NORM_TAKEOVER and f.baseline is not None and f.baseline <= 3 * warm
-                         for f in findings)
+        from_start = any(f.kind == NORM_TAKEOVER and f.baseline is not None
+                         and (f.baseline <= 3 * warm or self._from_warmup(f.baseline)) for f in findings)
         # judged now, before a rollback restores earlier detector states
         self._early_now = from_start or (self.applied_steps < warm and not self.detectors.loss.progressed())
         decision.suspect = suspect
+
+    def _warmup_window(self) -> int | None:
+        """The last step a takeover can start at and still be the warm-up's: two takeover windows
+        after the scheduled LR last rose (None: no rising schedule seen), and never past
+        ``4 x recovery.snapshot_interval`` steps (a long warm-up keeps the ordinary rollback: going
+        back to the start would throw away more than it was measured on). An LR far too high does
+        its damage while the warm-up raises it; a takeover shows it once a window's median has risen."""
+        if self._sched_rose_at is None:
+            return None
+        end = self._sched_rose_at + 2 * self.config.detect.takeover_window
+        return end if end <= 4 * self.config.recovery.snapshot_interval else None
+
+    def _from_warmup(self, onset: float) -> bool:
+        """A takeover that began within :meth:`_warmup_window` while the initial weights are held:
+        every later state carries the warm-up's damage (measured: an LR 3x too high cut x1/3 at the
+        end of a 30-step warm-up ends where the run ends uncut; cut a third of the way in, it lands
+        on the tuned run), so it goes back to the start with the deep cut, as a takeover since the
+        first steps does (Llama at 33x the best LR, a takeover found at step 68 of 300: 2.854 with
+        a rollback to step 40 and x0.3, 2.489 from the initial weights, 2.815 unguarded)."""
+        end = self._warmup_window()
+        return end is not None and onset <= end and self.rollback.initial_step() is not None
 
     def _late_in_decay(self) -> bool:
         """The schedule has decayed below a quarter of the highest position it reached (as of the
@@ -567,7 +588,8 @@ class GuardCore(EngineAPI):
                 grown = self.batches.maybe_grow(report.step)
                 if grown is not None:
                     report.actions.append(self.record(grown))
-            self.rollback.applied(report.step, self.applied_steps)
+            end = self._warmup_window()
+            self.rollback.applied(report.step, self.applied_steps, hold_initial=end is not None and report.step <= end)
         if self._before_params is not None:
             self._measure_update()
         events = self.reporter.event_metrics(report)

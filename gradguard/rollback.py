@@ -146,11 +146,13 @@ class Rollback:
         return Action("undo_rollback", step, "spike on restored, verified weights: the data was bad, so the "
                       f"weights of step {held.step} were not to blame", {"to_step": held.step})
 
-    def applied(self, step: int, applied_steps: int) -> None:
+    def applied(self, step: int, applied_steps: int, hold_initial: bool = False) -> None:
         """An update was applied: the weights are no longer verified; a snapshot every
         ``recovery.snapshot_interval`` applied steps, and every ``recovery.confirm_steps`` before the
         first interval (when that is less than half of it): a fault in the first steps then rolls back a few steps, to weights whose
-        detectors have a baseline (a spike on them can be blamed on the data), not to the initial ones."""
+        detectors have a baseline (a spike on them can be blamed on the data), not to the initial ones.
+        ``hold_initial``: the initial weights stay held past the first interval (the core holds them
+        through a warm-up and two takeover windows after it: see ``GuardCore._from_warmup``)."""
         self.verified = False
         self._undo = None
         self._held = None
@@ -163,8 +165,8 @@ class Rollback:
                                                             and applied_steps % dense == 0)
         if due:
             self.take(step)
-        if applied_steps >= rc.snapshot_interval and self.snapshots.pinned is not None:
-            self.snapshots.unpin()  # the run is past its first interval: the initial weights go
+        if applied_steps >= rc.snapshot_interval and self.snapshots.pinned is not None and not hold_initial:
+            self.snapshots.unpin()  # past its first interval and the warm-up: the initial weights go
 
     def attach_checkpoints(self, source: CheckpointSource, sharded: bool) -> bool:
         """Use the engine's own checkpoints as the disk tier (not with sharded parameters: each

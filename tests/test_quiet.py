@@ -343,3 +343,40 @@ def test_a_run_that_never_learned_restarts_from_its_initial_weights():
     assert cut.params["early"] and rollback.params["to_step"] == 0, (rollback.params, cut.params)
     unguarded, _ = train(False)
     assert guarded < unguarded, (guarded, unguarded)
+
+
+def test_a_takeover_just_after_the_warm_up_restarts_from_the_initial_weights():
+    """Llama at 33x its best LR, 30 warm-up steps of 300: the takeover's median rises only at step 68,
+    past the first snapshot interval. The warm-up did the damage (an LR cut at its end does not undo
+    it), so the initial weights are held through the warm-up and two takeover windows after it, and
+    the rollback goes back to them with the deep cut (before: back to step 40 at x0.3, then two more
+    rollbacks, ending above the unguarded run). Without a warm-up the initial weights go after the
+    first interval as before."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import compound as C
+
+    run = C.Run("takeover_after_warmup", "llama", 2, 300, 0.1)
+    guarded, unguarded = C.train(run, "gradguard"), C.train(run, "unguarded")
+    acts = [e for e in guarded["events"] if "action" in e]
+    rollback = next(e for e in acts if e["action"] == "rollback")
+    cut = next(e for e in acts if e["action"] == "lower_lr")
+    assert rollback["step"] > 60 and rollback["params"]["to_step"] == 0 and cut["params"]["early"], acts
+    assert guarded["actions"]["rollback"] == 1, guarded["actions"]
+    assert guarded["eval"] < 0.95 * unguarded["eval"], (guarded["eval"], unguarded["eval"])
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = gg.Guard(model, opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                     config=gg.GuardConfig(output={"console": False}))
+    held = []
+    for _ in range(55):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        guard.step(loss)
+        opt.zero_grad(set_to_none=True)
+        held.append(guard.core.rollback.initial_step())
+    guard.close()
+    assert held[0] == 0 and held[48] == 0 and held[-1] is None, held
