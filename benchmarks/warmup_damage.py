@@ -49,10 +49,14 @@ from gradguard.demo_model import evaluate  # noqa: E402
 PROBE_AFTER = (20, 40)
 
 
+def _attention(model: torch.nn.Module) -> list[torch.nn.MultiheadAttention]:
+    return [m for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)]
+
+
 def max_attention_logit(model: torch.nn.Module, x: torch.Tensor) -> float | None:
     """The largest |q.k| / sqrt(d_head) over every ``nn.MultiheadAttention`` of ``model`` on ``x`` and
     every query-key pair (the causal mask not applied: the scale of the bilinear form); None without one."""
-    mods = [m for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)]
+    mods = _attention(model)
     if not mods:
         return None
     seen: dict[int, torch.Tensor] = {}
@@ -81,13 +85,12 @@ def qk_gain(model: torch.nn.Module) -> list[float]:
     the attention logits come from), read from the weights alone."""
     out = []
     with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.MultiheadAttention):
-                e, h = m.embed_dim, m.num_heads
-                d = e // h
-                w = m.in_proj_weight
-                for j in range(h):
-                    out.append(float(torch.linalg.matrix_norm(w[j * d:(j + 1) * d].T @ w[e + j * d:e + (j + 1) * d], 2)))
+        for m in _attention(model):
+            e, h = m.embed_dim, m.num_heads
+            d = e // h
+            w = m.in_proj_weight
+            for j in range(h):
+                out.append(float(torch.linalg.matrix_norm(w[j * d:(j + 1) * d].T @ w[e + j * d:e + (j + 1) * d], 2)))
     return out
 
 
@@ -96,7 +99,7 @@ def qk_frobenius(model: torch.nn.Module) -> list[float]:
     needs neither the head count nor a forward pass."""
     with torch.no_grad():
         return [float(m.in_proj_weight[:m.embed_dim].norm() * m.in_proj_weight[m.embed_dim:2 * m.embed_dim].norm())
-                for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)]
+                for m in _attention(model)]
 
 
 def study(model_name: str, lr: float, seed: int, steps: int, cut_at: list[int], factor: float, n_probe: int,
@@ -116,29 +119,36 @@ def study(model_name: str, lr: float, seed: int, steps: int, cut_at: list[int], 
 
     def step(i: int, mult: float) -> None:
         for g in opt.param_groups:
-            g["lr"] = lr * lam(i - 1) * mult * g.get("m", 1.0)
+            g["lr"] = lr * lam(i - 1) * mult * g["m"]
         x, y = stream[i - 1]
         model(x, y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    def snapshot() -> tuple[Any, Any]:
+        return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+
+    def restore(snap: tuple[Any, Any]) -> None:
+        model.load_state_dict(snap[0])
+        opt.load_state_dict(snap[1])
+
+    start = snapshot()
     snaps: dict[int, tuple[Any, Any]] = {}
     probe_at = {k + d for k in cut_at for d in PROBE_AFTER}
     unguarded: dict[str, Any] = {"probe": {}, "logit": {}, "qk_growth": {}}
     qk0 = qk_gain(model)
     f0 = qk_frobenius(model)
-    crossed: dict[float, tuple[int, Any, Any]] = {}  # growth line -> (step, weights, optimizer) when crossed
+    crossed: dict[float, tuple[int, tuple[Any, Any]]] = {}  # growth line -> (step, snapshot) when crossed
     for i in range(1, steps + 1):
         if i - 1 in cut_at:
-            snaps[i - 1] = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+            snaps[i - 1] = snapshot()
         step(i, 1.0)
         if f0 and any(g not in crossed for g in triggers):
             growth = max(a / b for a, b in zip(qk_frobenius(model), f0))
             for g in triggers:
                 if g not in crossed and growth > g:
-                    crossed[g] = (i, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+                    crossed[g] = (i, snapshot())
         if i in probe_at:
             unguarded["probe"][i] = evaluate(model, probe)
         if i in logit_at:
@@ -148,8 +158,7 @@ def study(model_name: str, lr: float, seed: int, steps: int, cut_at: list[int], 
     unguarded["eval"] = evaluate(model, C.eval_batches(data))
     out: dict[str, Any] = {"unguarded": unguarded, "cuts": {}}
     for k in cut_at:
-        model.load_state_dict(snaps[k][0])
-        opt.load_state_dict(snaps[k][1])
+        restore(snaps[k])
         gain = {}
         for i in range(k + 1, steps + 1):
             step(i, factor)
@@ -158,17 +167,15 @@ def study(model_name: str, lr: float, seed: int, steps: int, cut_at: list[int], 
         out["cuts"][k] = {"eval": evaluate(model, C.eval_batches(data)), "gain": gain}
     if rollback_from is not None and rollback_from < steps:
         k = min(cut_at)  # a detector firing at step rollback_from: back to step k, steps k+1..from are lost
-        model.load_state_dict(snaps[k][0])
-        opt.load_state_dict(snaps[k][1])
+        restore(snaps[k])
         for i in range(rollback_from + 1, steps + 1):
             step(i, factor)
         out["rollback"] = {"from": rollback_from, "to": k, "eval": evaluate(model, C.eval_batches(data))}
     if attn:  # the attention projections at factor x the LR: from the first step, or once a growth line is crossed
-        arms = [("attn", 0, start)] + [(g, c[0], (c[1], c[2])) for g, c in sorted(crossed.items())]
+        arms = [("attn", 0, start)] + [(g, *c) for g, c in sorted(crossed.items())]
         out["trigger"] = {}
-        for name, at_step, (weights, state) in arms:
-            model.load_state_dict(weights)
-            opt.load_state_dict(state)
+        for name, at_step, snap in arms:
+            restore(snap)
             opt.param_groups[1]["m"] = factor
             for i in range(at_step + 1, steps + 1):
                 step(i, 1.0)

@@ -507,8 +507,9 @@ class GuardCore(EngineAPI):
         """A norm takeover found now began before its window: snapshots taken since then already
         carry it, so the rollback goes to one from before (``not_after``). An instability before the
         run learned anything (:meth:`_early`) goes back to the initial weights while they are held
-        (pinned for the first ``recovery.snapshot_interval`` applied steps): every later state
-        carries the damage of the LR that was too high, and at the deep cut it does not heal (an LR
+        (pinned for the first ``recovery.snapshot_interval`` applied steps, and through a warm-up and
+        two takeover windows after it: :meth:`_warmup_window`): every later state carries the
+        damage of the LR that was too high, and at the deep cut it does not heal (an LR
         33x too high through a warm-up, rolled back to step 10: 3.080 against 2.868 unguarded;
         restarted from the initial weights: 2.839)."""
         window = self.config.detect.takeover_window

@@ -85,7 +85,8 @@ class Rollback:
 
     def initial_step(self) -> int | None:
         """The step of the initial weights' snapshot while it is held (pinned for the first
-        ``recovery.snapshot_interval`` applied steps) and restorable, else None."""
+        ``recovery.snapshot_interval`` applied steps, or longer: ``applied(hold_initial=True)``) and
+        restorable, else None."""
         ring = self.snapshots
         if ring is None or ring.pinned is None:
             return None
