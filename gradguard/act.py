@@ -16,7 +16,7 @@ from .config import AdamConfig, ClipConfig, LRConfig
 from .errors import AttachError, UnsupportedSetupError  # AttachError: re-exported here too
 from .measure import LayerMap
 
-__all__ = ["AttachError", "unwrap_optimizer", "drop_grads", "ClipController", "LRMultiplier", "AdamTuner"]
+__all__ = ["AttachError", "unwrap_optimizer", "early_step_gain", "drop_grads", "ClipController", "LRMultiplier", "AdamTuner"]
 
 #: Attribute set on an optimizer while a guard's LR hooks are attached to it.
 _OWNER_ATTR = "_gradguard_lr_owner"
@@ -35,6 +35,28 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
         raise UnsupportedSetupError(f"gradguard: optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer "
                         "(nor wraps one). Fix: pass the torch optimizer the training loop steps")
     return opt
+
+
+def early_step_gain(optimizer: torch.optim.Optimizer) -> float:
+    """How much larger the optimizer's steps are now than its LR makes them once its statistics
+    have settled: 1 for Adam(W) (bias-corrected), SGD and most others. RMSprop divides by a running
+    mean of squared gradients that starts at zero and is not bias-corrected: after ``t`` updates its
+    steps are ``1 / sqrt(1 - alpha**t)`` times their settled size (3.4x after 9 updates at
+    alpha 0.99). A blow-up in its first steps then failed at a larger step than the LR says, and the
+    level read as failed (``GuardCore._ramp_position``) is raised by this much. Read once per
+    instability (the step count is one small host read), never per step."""
+    if not isinstance(optimizer, torch.optim.RMSprop):
+        return 1.0
+    gain = 1.0
+    for group in optimizer.param_groups:
+        alpha = group.get("alpha")
+        state = next((optimizer.state[p] for p in group["params"] if optimizer.state.get(p)), None)
+        if not isinstance(alpha, float) or not 0 < alpha < 1 or not state or "step" not in state:
+            continue
+        t = float(state["step"])
+        if t >= 1:
+            gain = max(gain, 1.0 / math.sqrt(1.0 - alpha**t))
+    return gain
 
 
 @torch.no_grad()

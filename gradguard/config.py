@@ -279,7 +279,8 @@ class LRConfig:
     The level that failed is read against the schedule's peak: during a rising warm-up at 30% of
     ``initial_lr`` it is 0.3**2 = 0.09 x the multiplier (a steeper ramp fails at a higher LR than
     the run tolerates: see ``GuardCore._ramp_position``), so the ramp cannot climb back to the LR
-    that failed."""
+    that failed. Under RMSprop the position is first scaled by its early-step gain (its first steps
+    run hotter than its LR: ``gradguard.act.early_step_gain``)."""
 
     early_down_factor: float = 0.03
     """'lower_lr' factor for an instability before the run learned anything (in the first
