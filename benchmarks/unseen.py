@@ -2,6 +2,8 @@
 
     python benchmarks/unseen.py                          # 10 setups x 4 conditions x 3 arms (~15 min, 1 core)
     python benchmarks/unseen.py --setups lstm_adam --conditions healthy,lr10
+    python benchmarks/unseen.py --jitter 4               # + the noise band of every row the guard ends worse
+    python benchmarks/unseen.py --setups nadam,radam,adamax,adadelta,sgd_nesterov,rmsprop_centered_mom,adam_amsgrad --tag=-optimizers
 
 The rescue and compound benchmarks train transformers and a CNN language model with AdamW. A user
 brings other things: SGD with momentum, Adagrad, RMSprop, an LSTM, a BatchNorm image classifier, a
@@ -19,6 +21,14 @@ Arms: ``none`` (no clip), ``clip1`` (``clip_grad_norm_(1.0)``, what most users r
 clipped and the user who did not. Harmed: final loss worse by more than 0.5% (for the setups whose
 loss ends near 0, ``memorize`` and ``bn_cnn_sgd``, a relative gap is large in few nats: the table
 gives both). Results: ``results/unseen.md``.
+
+``--jitter K``: a row where the guard ends worse than a baseline also trains K copies of that
+baseline and of the guard at the LR x (1 + 0.001 k), k = 1..K (a change that should not matter):
+their spread is the run's noise band (an AdamW run at 10x its LR without a schedule moves 3.5%),
+and the row is worse *beyond noise* only when the guard's whole band is worse than the baseline's
+whole band by more than 0.5%. ``MORE_SETUPS`` (not in the default run; name them in ``--setups``):
+seven more optimizers on the same GPT (NAdam, RAdam, Adamax, Adadelta, SGD with Nesterov momentum,
+centered RMSprop with momentum, Adam with AMSGrad).
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ from gradguard.demo_model import ByteBatches, TinyGPT, load_corpus  # noqa: E402
 
 STEPS = 300
 HARMED = 1.005
+#: ``--jitter K``: copies at the LR x (1 + JITTER * k), k = 1..K
+JITTER = 1e-3
 CONDITIONS = ("healthy", "spike", "garbage", "lr10")
 ARMS = ("none", "clip1", "guard")
 _DATA: ByteBatches | None = None
@@ -148,16 +160,27 @@ SETUPS: dict[str, Setup] = {
     "rmsprop": Setup(gpt, "text", lambda p: torch.optim.RMSprop(p, lr=1e-3)),
 }
 
+#: more optimizers on the same GPT (``--setups`` names them; not in the default run)
+MORE_SETUPS: dict[str, Setup] = {
+    "nadam": Setup(gpt, "text", lambda p: torch.optim.NAdam(p, lr=3e-3)),
+    "radam": Setup(gpt, "text", lambda p: torch.optim.RAdam(p, lr=3e-3)),
+    "adamax": Setup(gpt, "text", lambda p: torch.optim.Adamax(p, lr=3e-3)),
+    "adadelta": Setup(gpt, "text", lambda p: torch.optim.Adadelta(p, lr=1.0)),
+    "sgd_nesterov": Setup(gpt, "text", lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9, nesterov=True)),
+    "rmsprop_centered_mom": Setup(gpt, "text", lambda p: torch.optim.RMSprop(p, lr=3e-4, momentum=0.9, centered=True)),
+    "adam_amsgrad": Setup(gpt, "text", lambda p: torch.optim.Adam(p, lr=3e-3, amsgrad=True)),
+}
 
-def run(name: str, condition: str, arm: str, seed: int = 0) -> dict[str, Any]:
-    """One run; its final loss is the mean over 8 fresh batches of the training distribution."""
-    s = SETUPS[name]
+
+def run(name: str, condition: str, arm: str, seed: int = 0, lr_scale: float = 1.0) -> dict[str, Any]:
+    """One run; its final loss is the mean over 8 fresh batches of the training distribution.
+    ``lr_scale``: the LR times this (the jittered copies)."""
+    s = {**SETUPS, **MORE_SETUPS}[name]
     torch.manual_seed(seed)
     model = s.model()
     opt = s.opt(model.parameters())
-    if condition == "lr10":
-        for group in opt.param_groups:
-            group["lr"] *= 10
+    for group in opt.param_groups:
+        group["lr"] *= (10 if condition == "lr10" else 1) * lr_scale
 
     def factor(t: int) -> float:
         spike = 30.0 if condition == "spike" and 200 <= t < 204 else 1.0
@@ -208,7 +231,22 @@ def judge(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "healthy_runs": sum(r["condition"] == "healthy" for r in rows),
             "worse_than_clip1": [f"{r['condition']}/{r['setup']}" for r in rows if worse(r, "clip1")],
             "worse_than_none": [f"{r['condition']}/{r['setup']}" for r in rows if worse(r, "none")],
-            "better_than_clip1": sum(r["guard"]["final"] < r["clip1"]["final"] / HARMED for r in rows)}
+            "better_than_clip1": sum(r["guard"]["final"] < r["clip1"]["final"] / HARMED for r in rows),
+            "worse_beyond_noise": [f"{r['condition']}/{r['setup']} (vs {base})" for r in rows
+                                   for base in ("clip1", "none") if beyond_noise(r, base)]}
+
+
+def band(row: dict[str, Any], arm: str) -> tuple[float, float]:
+    """(lowest, highest) final loss of the arm's run and its jittered copies (if any)."""
+    finals = [row[arm]["final"], *(j["final"] for j in row.get("jitter", {}).get(arm, []))]
+    return min(finals), max(finals)
+
+
+def beyond_noise(row: dict[str, Any], base: str) -> bool:
+    """The guard's whole band is worse than the baseline's whole band by more than 0.5% (only for
+    rows whose bands were trained)."""
+    jit = row.get("jitter", {})
+    return bool(jit.get(base)) and bool(jit.get("guard")) and band(row, "guard")[0] > HARMED * band(row, base)[1]
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -219,7 +257,10 @@ def markdown(doc: dict[str, Any]) -> str:
              f"- guard actions on {s['healthy_runs']} healthy runs: {s['healthy_actions']}",
              f"- guard better than clip 1.0 in {s['better_than_clip1']}, worse in {len(s['worse_than_clip1'])}: "
              f"{s['worse_than_clip1'] or ''}",
-             f"- guard worse than no clip in {len(s['worse_than_none'])}: {s['worse_than_none'] or ''}", "",
+             f"- guard worse than no clip in {len(s['worse_than_none'])}: {s['worse_than_none'] or ''}",
+             *([f"- noise bands (the run and {doc['jitter']} copies at the LR x 1.001, 1.002, ...) of the rows above: "
+                f"worse beyond both bands in {len(s['worse_beyond_noise'])}: {s['worse_beyond_noise'] or ''}"]
+               if doc.get("jitter") else []), "",
              "| condition | setup | none | clip 1.0 | guard | guard / clip 1.0 | guard / none | guard actions |",
              "|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
@@ -227,6 +268,14 @@ def markdown(doc: dict[str, Any]) -> str:
         acts = ", ".join(f"{k} {v}" for k, v in sorted(r["guard"]["actions"].items())) or "-"
         lines.append(f"| {r['condition']} | {r['setup']} | {n:.4f} | {c:.4f} | {g:.4f} | {g / c:.3f} | "
                      f"{g / n if math.isfinite(n) else 0:.3f} | {acts} |")
+    banded = [r for r in doc["rows"] if r.get("jitter")]
+    if banded:
+        lines += ["", "Noise bands (lowest-highest of the run and its copies at the jittered LRs):", "",
+                  "| condition | setup | arm | band | guard band |", "|---|---|---|---|---|"]
+        for r in banded:
+            for base in (b for b in ("clip1", "none") if b in r["jitter"]):
+                lines.append(f"| {r['condition']} | {r['setup']} | {base} | {band(r, base)[0]:.4f}-{band(r, base)[1]:.4f} | "
+                             f"{band(r, 'guard')[0]:.4f}-{band(r, 'guard')[1]:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -235,6 +284,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--setups", default=",".join(SETUPS))
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--jitter", type=int, default=0, metavar="K",
+                    help="rows the guard ends worse: K copies of the baseline and the guard at the LR x 1.001..")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows, t0 = [], time.time()
@@ -243,10 +294,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row: dict[str, Any] = {"setup": name, "condition": condition}
             for arm in ARMS:
                 row[arm] = run(name, condition, arm)
+            worse = [b for b in ("clip1", "none") if row["guard"]["final"] > HARMED * row[b]["final"]]
+            if args.jitter and worse:
+                row["jitter"] = {arm: [run(name, condition, arm, lr_scale=1 + JITTER * k)
+                                       for k in range(1, args.jitter + 1)] for arm in ("guard", *worse)}
             rows.append(row)
             print(f"{condition}/{name}: none {row['none']['final']:.4f} clip1 {row['clip1']['final']:.4f} "
                   f"guard {row['guard']['final']:.4f} {row['guard']['actions']} ({time.time() - t0:.0f}s)", flush=True)
-    doc = {"rows": rows, "summary": judge(rows), "environment": environment(), "seconds": round(time.time() - t0)}
+    doc = {"rows": rows, "summary": judge(rows), "jitter": args.jitter, "environment": environment(),
+           "seconds": round(time.time() - t0)}
     write_results(os.path.join(RESULTS_DIR, f"unseen{args.tag}"), doc, markdown(doc))
     print(markdown(doc))
     return doc

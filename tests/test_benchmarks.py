@@ -271,6 +271,22 @@ def test_unseen_setups_judge_false_alarms_and_both_baselines(monkeypatch):
     assert s["better_than_clip1"] == 1
     md = unseen.markdown({"rows": rows, "summary": s})
     assert "| lr10 | rmsprop | 2.5000 | 2.6000 | 2.6200 | 1.008 | 1.048 | - |" in md
+    assert s["worse_beyond_noise"] == [] and "noise bands" not in md
+
+    # --jitter: a row worse than a baseline gets both bands; worse beyond noise only when the whole
+    # guard band is worse than the whole baseline band
+    wide, narrow = row("constant_lr", "lr10", 2.80, 2.69, 2.71, {}), row("rmsprop", "lr10", 2.50, 2.54, 2.60, {})
+    wide["jitter"] = {"clip1": [{"final": 2.79}, {"final": 2.73}], "guard": [{"final": 2.80}, {"final": 2.78}]}
+    narrow["jitter"] = {"clip1": [{"final": 2.545}, {"final": 2.55}], "guard": [{"final": 2.59}, {"final": 2.61}]}
+    s = unseen.judge([wide, narrow])
+    assert s["worse_than_clip1"] == ["lr10/constant_lr", "lr10/rmsprop"]
+    assert s["worse_beyond_noise"] == ["lr10/rmsprop (vs clip1)"]
+    md = unseen.markdown({"rows": [wide, narrow], "summary": s, "jitter": 2})
+    assert "| lr10 | constant_lr | clip1 | 2.6900-2.7900 | 2.7100-2.8000 |" in md
+    # the copies really run at the jittered LR, and an extra optimizer setup runs by name
+    scaled = unseen.run("bn_cnn_sgd", "healthy", "clip1", lr_scale=2.0)
+    assert scaled["final"] != rec["clip1"]["final"]
+    assert 0 < unseen.run("radam", "healthy", "guard")["final"] < 10
 
 
 def test_step_ratio_reads_the_step_against_its_own_batch_and_the_rule_cuts_only_below_tau():
