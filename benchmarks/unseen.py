@@ -252,7 +252,8 @@ def beyond_noise(row: dict[str, Any], base: str) -> bool:
 def markdown(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     lines = ["# Unseen setups", "",
-             f"{s['runs']} runs of {STEPS} steps (benchmarks/unseen.py). Final loss: mean over 8 fresh batches. "
+             f"{s['runs']} runs of {STEPS} steps (benchmarks/unseen.py, seed {doc.get('seed', 0)}). Final loss: mean over "
+             "8 fresh batches. "
              f"Worse: by more than {HARMED - 1:.1%}.", "",
              f"- guard actions on {s['healthy_runs']} healthy runs: {s['healthy_actions']}",
              f"- guard better than clip 1.0 in {s['better_than_clip1']}, worse in {len(s['worse_than_clip1'])}: "
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--setups", default=",".join(SETUPS))
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--seed", type=int, default=0, help="the runs' seed (model init and data order)")
     ap.add_argument("--jitter", type=int, default=0, metavar="K",
                     help="rows the guard ends worse: K copies of the baseline and the guard at the LR x 1.001..")
     args = ap.parse_args(argv)
@@ -293,15 +295,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in args.setups.split(","):
             row: dict[str, Any] = {"setup": name, "condition": condition}
             for arm in ARMS:
-                row[arm] = run(name, condition, arm)
+                row[arm] = run(name, condition, arm, args.seed)
             worse = [b for b in ("clip1", "none") if row["guard"]["final"] > HARMED * row[b]["final"]]
             if args.jitter and worse:
-                row["jitter"] = {arm: [run(name, condition, arm, lr_scale=1 + JITTER * k)
+                row["jitter"] = {arm: [run(name, condition, arm, args.seed, lr_scale=1 + JITTER * k)
                                        for k in range(1, args.jitter + 1)] for arm in ("guard", *worse)}
             rows.append(row)
             print(f"{condition}/{name}: none {row['none']['final']:.4f} clip1 {row['clip1']['final']:.4f} "
                   f"guard {row['guard']['final']:.4f} {row['guard']['actions']} ({time.time() - t0:.0f}s)", flush=True)
-    doc = {"rows": rows, "summary": judge(rows), "jitter": args.jitter, "environment": environment(),
+    doc = {"rows": rows, "summary": judge(rows), "seed": args.seed, "jitter": args.jitter, "environment": environment(),
            "seconds": round(time.time() - t0)}
     write_results(os.path.join(RESULTS_DIR, f"unseen{args.tag}"), doc, markdown(doc))
     print(markdown(doc))
