@@ -273,20 +273,21 @@ def test_the_html_report_is_not_written_through_a_planted_link(tmp_path):
     assert target.read_text() == "keep me" and not out.is_symlink() and "plotly" in out.read_text()
 
 
-def test_an_instability_during_warm_up_cuts_below_the_lr_that_failed_not_from_the_peak():
-    """The multiplier scales the whole schedule: a blow-up at a fraction ``pos`` of a warm-up failed
-    at ``pos`` of the peak LR, and a ramp fails later the steeper it is, so the level treated as
-    failed is ``pos**2`` and the cut is down_factor x pos**2 (a cut of the multiplier alone would let
-    the ramp climb back to the LR that failed); after the peak nothing changes."""
+def _spiked_warm_up(make_opt):
+    """A 40-step linear warm-up with the loss x1000 at steps 18 and 19 (the second spike escalates).
+    Returns the ``lower_lr`` step, its params, and per step the scheduled position and the
+    optimizer's update count before it."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt = make_opt(model.parameters())
+    peak = opt.param_groups[0]["lr"]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 40))
     guard = gg.Guard(model, opt, scheduler=sched, config=gg.GuardConfig(output={"console": False}))
     x, y = torch.randn(64, 8), torch.randn(64, 1)
-    scheduled, cut = {}, None
+    cut, seen = None, {}
     for step in range(1, 31):
-        scheduled[step] = opt.param_groups[0]["lr"] / 0.01
+        state = opt.state.get(next(model.parameters()))
+        seen[step] = (opt.param_groups[0]["lr"] / peak, float(state["step"]) if state else 0.0)
         loss = torch.nn.functional.mse_loss(model(x), y) * (1000.0 if step in (18, 19) else 1.0)
         loss.backward()
         rep = guard.step(loss)
@@ -296,8 +297,16 @@ def test_an_instability_during_warm_up_cuts_below_the_lr_that_failed_not_from_th
                 cut = (step, a.params)
     guard.close()
     assert cut is not None, "the repeated spike in the warm-up was not escalated"
-    step, params = cut
-    pos = scheduled[step]
+    return cut[0], cut[1], seen
+
+
+def test_an_instability_during_warm_up_cuts_below_the_lr_that_failed_not_from_the_peak():
+    """The multiplier scales the whole schedule: a blow-up at a fraction ``pos`` of a warm-up failed
+    at ``pos`` of the peak LR, and a ramp fails later the steeper it is, so the level treated as
+    failed is ``pos**2`` and the cut is down_factor x pos**2 (a cut of the multiplier alone would let
+    the ramp climb back to the LR that failed); after the peak nothing changes."""
+    step, params, seen = _spiked_warm_up(lambda p: torch.optim.AdamW(p, lr=0.01))
+    pos = seen[step][0]
     assert 0.3 < pos < 0.6 and not params["early"]
     assert params["from"] == pytest.approx(pos * pos) and params["to"] == pytest.approx(0.3 * pos * pos)
 
@@ -308,31 +317,12 @@ def test_an_rmsprop_blow_up_in_its_first_steps_is_read_at_the_step_it_really_too
     warm-up then failed at ``pos x gain`` of the peak, not ``pos``: the level read as failed is
     ``(pos x gain)**2`` (capped at 1), so the cut does not land far below the LR the run settles at
     (AdamW is bias-corrected: gain 1, the test above)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    opt = torch.optim.RMSprop(model.parameters(), lr=1e-2, alpha=0.9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 40))
-    guard = gg.Guard(model, opt, scheduler=sched, config=gg.GuardConfig(output={"console": False}))
-    x, y = torch.randn(64, 8), torch.randn(64, 1)
-    cut, gains = None, {}
-    for step in range(1, 31):
-        pos = opt.param_groups[0]["lr"] / 1e-2
-        t = float(opt.state[next(model.parameters())]["step"]) if opt.state else 0.0
-        gains[step] = (pos, 1 / math.sqrt(1 - 0.9**t) if t else 1.0, t)
-        loss = torch.nn.functional.mse_loss(model(x), y) * (1000.0 if step in (18, 19) else 1.0)
-        loss.backward()
-        rep = guard.step(loss)
-        opt.zero_grad(set_to_none=True)
-        for a in rep.actions:
-            if a.name == "lower_lr":
-                cut = (step, a.params)
-    guard.close()
-    assert cut is not None, "the repeated spike in the warm-up was not escalated"
-    step, params = cut
-    pos, gain, t = gains[step]
+    step, params, seen = _spiked_warm_up(lambda p: torch.optim.RMSprop(p, lr=1e-2, alpha=0.9))
+    pos, t = seen[step]
+    gain = 1 / math.sqrt(1 - 0.9**t)
     assert not params["early"] and t == 17 and gain > 1.05 and pos * gain < 1  # the first spike's step was skipped: 17 updates
     assert params["from"] == pytest.approx((pos * gain) ** 2) and params["to"] == pytest.approx(0.3 * (pos * gain) ** 2)
-    assert early_step_gain(torch.optim.AdamW(model.parameters())) == 1.0
+    assert early_step_gain(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())) == 1.0
 
 
 def test_rmsprop_at_ten_times_its_lr_ends_better_guarded_than_clipped():
