@@ -172,9 +172,11 @@ MORE_SETUPS: dict[str, Setup] = {
 }
 
 
-def run(name: str, condition: str, arm: str, seed: int = 0, lr_scale: float = 1.0) -> dict[str, Any]:
+def run(name: str, condition: str, arm: str, seed: int = 0, lr_scale: float = 1.0,
+        guard_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """One run; its final loss is the mean over 8 fresh batches of the training distribution.
-    ``lr_scale``: the LR times this (the jittered copies)."""
+    ``lr_scale``: the LR times this (the jittered copies); ``guard_config``: GuardConfig fields for
+    the guard arm (a rule switched off, to measure what it does)."""
     s = {**SETUPS, **MORE_SETUPS}[name]
     torch.manual_seed(seed)
     model = s.model()
@@ -191,7 +193,7 @@ def run(name: str, condition: str, arm: str, seed: int = 0, lr_scale: float = 1.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     get = batches(s.data, seed, s.batch)
     tmp = tempfile.TemporaryDirectory(prefix="gg-unseen-")
-    guard = (gg.Guard(model, opt, scheduler=sched, config=gg.GuardConfig(output={"console": False}), out_dir=tmp.name)
+    guard = (gg.Guard(model, opt, scheduler=sched, config=gg.GuardConfig(**{**(guard_config or {}), "output": {"console": False}}), out_dir=tmp.name)
              if arm == "guard" else None)
     for t in range(STEPS):
         x, y = get()

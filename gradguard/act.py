@@ -7,6 +7,7 @@ its own state and has ``state_dict()/load_state_dict()``. The policy decides, ac
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 import torch
@@ -17,6 +18,12 @@ from .errors import AttachError, UnsupportedSetupError  # AttachError: re-export
 from .measure import LayerMap
 
 __all__ = ["AttachError", "unwrap_optimizer", "early_step_gain", "drop_grads", "ClipController", "LRMultiplier", "AdamTuner"]
+
+#: A schedule at this fraction of the LR that failed or above still runs at that LR (a glitch that
+#: decays a little inside it): a cut lifts if the schedule falls from there below the cut's level
+#: within ``LRConfig.glitch_window`` steps (a 1.7x fall at the default ``down_factor``, which a
+#: cosine makes that fast only in its last steps).
+NEAR_FAILED = 0.5
 
 #: Attribute set on an optimizer while a guard's LR hooks are attached to it.
 _OWNER_ATTR = "_gradguard_lr_owner"
@@ -206,6 +213,14 @@ class LRMultiplier:
         self.ceiling_healthy = 0
         self.warm_left = 0
         self.batch_scale = 1.0  # linear-scaling factor while the global batch is shrunk
+        # the scheduled LR (first group) of the last glitch_window steps; the cut that lifts if the
+        # schedule falls below it in time: {"failed_lr": the highest scheduled LR among the steps
+        # that failed, "mult": the multiplier before the cut}; and a lifted cut, which comes back if
+        # the schedule climbs above it again: {"failed_lr", "cut": the multiplier lifted, "ceiling"}
+        # (see LRConfig.glitch_window)
+        self.recent_lrs: deque[float] = deque(maxlen=max(1, cfg.glitch_window))
+        self.liftable: dict[str, float] | None = None
+        self.lifted: dict[str, float] | None = None
         self._active = False
         self._saved_lrs: list[Any] | None = None
         self._saved_params: tuple[list[torch.Tensor], list[torch.Tensor], list[float]] | None = None
@@ -352,10 +367,60 @@ class LRMultiplier:
         multiplier that failed (``failed_at``, default the one in force: during a re-warm-up ramp
         that is the ramp's value). The failed level caps later recovery."""
         old = self.level() if failed_at is None else failed_at
+        self.lifted = None  # a new cut supersedes a lifted one
+        if self.cfg.glitch_window and self.recent_lrs:
+            failed_lr = max(self.recent_lrs)
+            if self.liftable is None:
+                self.liftable = {"failed_lr": failed_lr, "mult": self.global_mult}
+            else:  # a later rung of the same episode: lifting goes back to before the first cut
+                self.liftable["failed_lr"] = max(self.liftable["failed_lr"], failed_lr)
         self.global_ceiling = min(self.global_ceiling, old * self.cfg.recover_ceiling)
         self.global_mult = max(self.cfg.min_multiplier, old * (factor or self.cfg.down_factor))
         self.healthy = 0
         return old, self.global_mult
+
+    def observe_schedule(self, lr: Any) -> None:
+        """The scheduled LR (first group, multipliers excluded) this step runs at, as the core already
+        read it (anything but a finite positive number is ignored)."""
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0:
+            self.recent_lrs.append(float(lr))
+
+    def follow_schedule(self) -> tuple[str, dict[str, float]] | None:
+        """A cut the schedule has passed lifts: within ``glitch_window`` steps of the last step the
+        schedule ran at (half or more of) the LR that failed, it fell below ``down_factor`` x that
+        LR (the scheduler itself now runs below what the cut set, as when an LR glitch ends); the
+        multiplier goes back to its level before the cut (the ceiling too, at least). The record is
+        dropped once the failed LR has left the window (a smooth decay: the cut stays). A lifted cut comes back
+        if the schedule climbs above ``down_factor`` x the failed LR again (a cyclic schedule).
+        Returns the action's name and params when the multiplier moved, else None."""
+        if not self.recent_lrs:
+            return None
+        now = self.recent_lrs[-1]
+        back = self.lifted
+        if back is not None:
+            if now <= self.cfg.down_factor * back["failed_lr"]:
+                return None
+            self.lifted = None
+            old = self.global_mult
+            self.global_mult = min(self.global_mult, back["cut"])
+            self.global_ceiling = min(self.global_ceiling, back["ceiling"])
+            self.liftable = {"failed_lr": back["failed_lr"], "mult": old}
+            self.healthy = 0
+            return "recut_lr", {"from": old, "to": self.global_mult, "failed_lr": back["failed_lr"], "scheduled_lr": now}
+        cut = self.liftable
+        if cut is None:
+            return None
+        if max(self.recent_lrs) < NEAR_FAILED * cut["failed_lr"]:
+            self.liftable = None
+            return None
+        if now > self.cfg.down_factor * cut["failed_lr"]:
+            return None
+        self.liftable = None
+        old = self.global_mult
+        self.lifted = {"failed_lr": cut["failed_lr"], "cut": old, "ceiling": self.global_ceiling}
+        self.global_mult = max(self.global_mult, cut["mult"])
+        self.global_ceiling = max(self.global_ceiling, cut["mult"])
+        return "lift_lr", {"from": old, "to": self.global_mult, "failed_lr": cut["failed_lr"], "scheduled_lr": now}
 
     def lower_layers(self, names: list[str]) -> dict[str, float]:
         out = {}
@@ -406,7 +471,9 @@ class LRMultiplier:
         return {"global_mult": self.global_mult, "global_ceiling": self.global_ceiling,
                 "layer_mult": dict(self.layer_mult), "layer_ceiling": dict(self.layer_ceiling),
                 "healthy": self.healthy, "ceiling_healthy": self.ceiling_healthy, "warm_left": self.warm_left,
-                "batch_scale": self.batch_scale}
+                "batch_scale": self.batch_scale, "recent_lrs": list(self.recent_lrs),
+                "liftable": None if self.liftable is None else dict(self.liftable),
+                "lifted": None if self.lifted is None else dict(self.lifted)}
 
     _STATE = {"global_mult": float, "global_ceiling": float, "layer_mult": dict, "layer_ceiling": dict,
               "healthy": int, "ceiling_healthy": int, "warm_left": int, "batch_scale": float}
@@ -416,16 +483,18 @@ class LRMultiplier:
         """Raise ``StateError`` unless ``state`` is a complete, well-typed LR-multiplier state."""
         from .state import StateError, check_fields
 
-        check_fields("lr", state, cls._STATE)
-        for key in ("global_mult", "global_ceiling", "batch_scale"):
-            if not (math.isfinite(state[key]) and state[key] > 0):
-                raise StateError(f"gradguard state lr.{key}={state[key]!r}: must be finite and > 0. "
+        check_fields("lr", state, cls._STATE, optional={"recent_lrs": list})  # absent in states before 0.2
+        for lr in state.get("recent_lrs", []):
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+                raise StateError(f"gradguard state lr.recent_lrs holds {lr!r}: each must be finite and > 0. "
                                  "Fix: load a state saved by gradguard's state_dict()")
-        for key in ("layer_mult", "layer_ceiling"):
-            for name, v in state[key].items():
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                    raise StateError(f"gradguard state lr.{key}[{name!r}]={v!r}: must be finite and > 0. "
-                                     "Fix: load a state saved by gradguard's state_dict()")
+        for key, keys in (("liftable", {"failed_lr", "mult"}), ("lifted", {"failed_lr", "cut", "ceiling"})):
+            rec = state.get(key)
+            if rec is not None and (not isinstance(rec, dict) or set(rec) != keys or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                    for v in rec.values())):
+                raise StateError(f"gradguard state lr.{key}={rec!r}: must be None or a dict of finite, positive "
+                                 f"{sorted(keys)}. Fix: load a state saved by gradguard's state_dict()")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
@@ -437,6 +506,10 @@ class LRMultiplier:
         self.layer_mult = dict(state["layer_mult"])
         self.layer_ceiling = dict(state["layer_ceiling"])
         self.healthy = state["healthy"]
+        self.recent_lrs = deque((float(v) for v in state.get("recent_lrs", [])), maxlen=max(1, self.cfg.glitch_window))
+        cut, back = state.get("liftable"), state.get("lifted")
+        self.liftable = None if cut is None else {k: float(v) for k, v in cut.items()}
+        self.lifted = None if back is None else {k: float(v) for k, v in back.items()}
 
 
 class AdamTuner:

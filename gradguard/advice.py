@@ -28,7 +28,7 @@ UNSTABLE_ACTIONS = frozenset({"rollback", "lower_lr", "tighten_clip", "adam", "l
                               "skip_data", "halt"})
 """Actions that answer an instability (not a skip of one odd batch, not a stable-period relaxation)."""
 
-ADVICE_ACTIONS = UNSTABLE_ACTIONS | {"revert_lr"}
+ADVICE_ACTIONS = UNSTABLE_ACTIONS | {"revert_lr", "lift_lr", "recut_lr"}
 """The actions the advice reads; the guard's state keeps the latest of them (``action_log``), so a
 resumed run still advises from what happened before the resume."""
 
@@ -74,8 +74,9 @@ def _lr_text(base: list[float], new: list[float]) -> str:
 
 def _advise_lr(actions: list[dict[str, Any]], summary: dict[str, Any], groups: list[dict[str, Any]],
                engine: str | None, settings: dict[str, Any], lines: list[str]) -> None:
-    """The peak LR: the base LR x the multiplier set by the guard's last LR cut (or its revert)."""
-    cuts = [a for a in actions if a.get("name") in ("lower_lr", "revert_lr")]
+    """The peak LR: the base LR x the multiplier set by the guard's last LR cut (or its revert, or
+    its lift once the schedule passed the LR that failed)."""
+    cuts = [a for a in actions if a.get("name") in ("lower_lr", "revert_lr", "lift_lr", "recut_lr")]
     mult = None
     if cuts:
         p = cuts[-1].get("params") or {}

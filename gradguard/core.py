@@ -417,6 +417,7 @@ class GuardCore(EngineAPI):
         the nominal LR ended at 2.564-2.683)."""
         g = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
         base, now = g.get("initial_lr"), (self.lr.scheduled_lrs() or [None])[0]
+        self.lr.observe_schedule(now)  # what a cut that the schedule passes reads (LRMultiplier.lift_passed_cut)
         if not isinstance(base, (int, float)) or not isinstance(now, (int, float)) or base <= 0:
             return 1.0
         pos, prev = float(now) / float(base), self._sched_pos
@@ -539,6 +540,14 @@ class GuardCore(EngineAPI):
             if relaxed:
                 report.actions.append(self.record(Action("relax_clip", report.step, "stable period",
                                                          {"from": relaxed[0], "to": relaxed[1]})))
+            moved = self.lr.follow_schedule()
+            if moved:
+                name, p = moved
+                why = (f"the schedule fell to {p['scheduled_lr']:.3g}, below the cut of the LR that failed "
+                       f"({p['failed_lr']:.3g}): that LR has passed" if name == "lift_lr" else
+                       f"the schedule rose to {p['scheduled_lr']:.3g}, above the lifted cut of the LR that failed "
+                       f"({p['failed_lr']:.3g})")
+                report.actions.append(self.record(Action(name, report.step, why, p)))
             recovered = self.lr.tick_healthy()
             if recovered:
                 report.actions.append(self.record(Action("recover_lr", report.step, "stable period", recovered)))

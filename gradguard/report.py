@@ -254,7 +254,7 @@ def _plotly() -> Any:
 
 _PALETTE = {"rollback": "#d62728", "lower_lr": "#ff7f0e", "tighten_clip": "#9467bd", "adam": "#8c564b",
             "lower_layer_lr": "#e377c2", "shrink_batch": "#17becf", "halt": "#000000", "skip": "#7f7f7f",
-            "recover_lr": "#2ca02c", "relax_clip": "#bcbd22"}
+            "recover_lr": "#2ca02c", "lift_lr": "#98df8a", "recut_lr": "#ffbb78", "relax_clip": "#bcbd22"}
 
 
 def _loss_figure(run: _Run) -> Any:

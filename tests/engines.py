@@ -79,8 +79,10 @@ def make_opt(params, kind: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3)
 
 
-def make_sched(opt) -> torch.optim.lr_scheduler.LRScheduler:
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
+def make_sched(opt, glitch: tuple[int, int] | None = None) -> torch.optim.lr_scheduler.LRScheduler:
+    """A slow decay; ``glitch=(start, end)``: the LR x30 for the scheduler steps start..end-1."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (30.0 if glitch and glitch[0] <= s < glitch[1] else 1.0) / (1.0 + 0.05 * s))
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
@@ -199,7 +201,7 @@ class PlainCheckpoints:
 
 
 def run_plain(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, resume_from=None,
-              save_at=None, engine_clip=None, hooks=None, injectors=None, amp=False) -> Record:
+              save_at=None, engine_clip=None, hooks=None, injectors=None, amp=False, glitch=None) -> Record:
     """``Guard`` over a ``gradguard.data.BatchController`` (``guard.accumulate`` runs the step's
     micro-batches): the plain loop's loader handle, as the Trainers' loaders are theirs. With
     ``injectors`` (the fault matrix) see ``_run_plain_controller``."""
@@ -212,7 +214,7 @@ def run_plain(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True
     model = Net()
     model.faults = dict(faults or {})
     opt = make_opt(model.parameters(), opt_kind)
-    sched = make_sched(opt)
+    sched = make_sched(opt, glitch)
     batches = BatchController(Data(), BS, shuffle=False)
     g = gg.Guard(model, opt, scheduler=sched, config=config, sinks=[rec.sink], batches=batches) if guard else None
     if g is not None:
@@ -318,7 +320,7 @@ def _run_plain_controller(tmp_path, config, steps, opt_kind, guard, injectors, a
 
 
 def run_hf(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, resume_from=None,
-           save_at=None, engine_clip=None, injectors=None, amp=False, hooks=None) -> Record:
+           save_at=None, engine_clip=None, injectors=None, amp=False, hooks=None, glitch=None) -> Record:
     transformers = pytest.importorskip("transformers")
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -329,7 +331,7 @@ def run_hf(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, r
     model = Net()
     model.faults = dict(faults or {})
     opt = make_opt(model.parameters(), opt_kind)
-    sched = make_sched(opt)
+    sched = make_sched(opt, glitch)
     cb = GradGuardCallback(config=config, sinks=[rec.sink]) if guard else None
     rec.callback = cb
 
@@ -373,7 +375,7 @@ def run_hf(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, r
 
 
 def run_lightning(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=True, resume_from=None,
-                  save_at=None, engine_clip=None, injectors=None, amp=False, hooks=None) -> Record:
+                  save_at=None, engine_clip=None, injectors=None, amp=False, hooks=None, glitch=None) -> Record:
     L = pytest.importorskip("lightning.pytorch")
     from gradguard.lightning import GradGuardCallback
 
@@ -392,7 +394,7 @@ def run_lightning(tmp_path, config, steps, faults=None, opt_kind="adamw", guard=
 
         def configure_optimizers(self):
             opt = make_opt(self.parameters(), opt_kind)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": make_sched(opt), "interval": "step"}}
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": make_sched(opt, glitch), "interval": "step"}}
 
     model = LitNet()
     model.faults = dict(faults or {})

@@ -332,3 +332,19 @@ def test_batch_shrinks_with_linear_lr_scaling_and_grows_back(tmp_path, engine):
     for k in (10, 11):
         assert rec.eff_lr[k] > 0 and rec.sched_lr[k] > 0
     assert rec.core.lr.batch_scale == 1.0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_lr_cut_lifts_once_the_glitch_it_answered_has_passed(tmp_path, engine):
+    """The scheduler's LR x30 for its steps 5-8, spikes at steps 7 and 8: a rollback with an LR
+    cut, and once the schedule falls back (the scheduler held on the two skipped steps) the cut
+    lifts: the updates run at the schedule's own LR again."""
+    c = cfg(tmp_path, recovery={"snapshot_interval": 3, "confirm_steps": 1}, lr={"rewarm_steps": 0})
+    rec = RUNNERS[engine](tmp_path, c, steps=14, faults={7: 50.0, 8: 50.0}, opt_kind="sgd", glitch=(5, 9))
+    assert rec.error is None
+    assert [a["step"] for a in actions(rec, "lower_lr")] == [8]
+    assert [a["step"] for a in actions(rec, "lift_lr")] == [12]  # the scheduler's step 9
+    assert rec.eff_lr[9] < 0.31 * rec.sched_lr[9]  # inside the glitch: the cut (this early, the deep one)
+    for k in (12, 13, 14):  # after it: the schedule's own LR
+        assert rec.eff_lr[k] == pytest.approx(rec.sched_lr[k], rel=1e-6)
+    assert rec.core.lr.global_mult == 1.0
