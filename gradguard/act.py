@@ -20,9 +20,8 @@ from .measure import LayerMap
 __all__ = ["AttachError", "unwrap_optimizer", "early_step_gain", "drop_grads", "ClipController", "LRMultiplier", "AdamTuner"]
 
 #: A schedule at this fraction of the LR that failed or above still runs at that LR (a glitch that
-#: decays a little inside it): a cut lifts if the schedule falls from there below the cut's level
-#: within ``LRConfig.glitch_window`` steps (a 1.7x fall at the default ``down_factor``, which a
-#: cosine makes that fast only in its last steps).
+#: decays a little inside it): a cut lifts only after a one-step fall from there (see
+#: :meth:`LRMultiplier.follow_schedule`).
 NEAR_FAILED = 0.5
 
 #: Attribute set on an optimizer while a guard's LR hooks are attached to it.
@@ -386,13 +385,15 @@ class LRMultiplier:
             self.recent_lrs.append(float(lr))
 
     def follow_schedule(self) -> tuple[str, dict[str, float]] | None:
-        """A cut the schedule has passed lifts: within ``glitch_window`` steps of the last step the
-        schedule ran at (half or more of) the LR that failed, it fell below ``down_factor`` x that
-        LR (the scheduler itself now runs below what the cut set, as when an LR glitch ends); the
-        multiplier goes back to its level before the cut (the ceiling too, at least). The record is
-        dropped once the failed LR has left the window (a smooth decay: the cut stays). A lifted cut comes back
-        if the schedule climbs above ``down_factor`` x the failed LR again (a cyclic schedule).
-        Returns the action's name and params when the multiplier moved, else None."""
+        """A cut the schedule has passed lifts: within the last ``glitch_window`` steps the schedule
+        fell in one step by ``1/down_factor`` or more from (half or more of) the LR that failed, and
+        it now runs below ``down_factor`` x that LR: the scheduler alone runs below what the cut set,
+        as when an LR glitch ends or a step schedule drops. The multiplier goes back to its level
+        before the cut (the ceiling too, at least). A smooth decay never falls 3.3x in one step but
+        at its very end, far below the failed LR, so a cut in it stays; the record is dropped once
+        the failed LR has left the window. A lifted cut comes back if the schedule climbs above
+        ``down_factor`` x the failed LR again (a cyclic schedule). Returns the action's name and
+        params when the multiplier moved, else None."""
         if not self.recent_lrs:
             return None
         now = self.recent_lrs[-1]
@@ -410,10 +411,13 @@ class LRMultiplier:
         cut = self.liftable
         if cut is None:
             return None
-        if max(self.recent_lrs) < NEAR_FAILED * cut["failed_lr"]:
+        high, d = NEAR_FAILED * cut["failed_lr"], self.cfg.down_factor
+        if max(self.recent_lrs) < high:
             self.liftable = None
             return None
-        if now > self.cfg.down_factor * cut["failed_lr"]:
+        lrs = list(self.recent_lrs)
+        fell = any(a >= high and b <= d * a for a, b in zip(lrs, lrs[1:]))
+        if now > d * cut["failed_lr"] or not fell:
             return None
         self.liftable = None
         old = self.global_mult

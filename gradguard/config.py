@@ -322,12 +322,11 @@ class LRConfig:
 
     glitch_window: int = 8
     """An LR cut lifts when the schedule itself passed the LR that failed: if, within this many
-    steps of the last step the scheduled LR was at (half or more of) the highest level among the
-    steps that failed,
-    the scheduler takes it below ``down_factor`` x that level (an LR glitch ending; a step
-    schedule dropping 10x from the LR that failed), the global multiplier goes back to its level
+    steps, the scheduled LR fell in one step by ``1/down_factor`` or more from (half or more of)
+    the highest LR among the steps that failed, and now runs below ``down_factor`` x that LR (an LR
+    glitch ending; a step schedule dropping 10x), the global multiplier goes back to its level
     before the cut (action ``lift_lr``): the scheduler alone then runs below the level the cut set.
-    A smooth decay never falls that far that fast, so a cut in it stays. If the schedule climbs
+    A smooth decay never falls that far in one step, so a cut in it stays. If the schedule climbs
     back above the cut's level, the cut comes back (``recut_lr``). Measured on an LR x30 for 4
     steps late in a cosine decay: the cut kept for the rest of the run cost 0.4-1.7% on every such
     run of the unseen benchmark (docs/benchmarks.md). 0 keeps every cut."""

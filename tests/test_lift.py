@@ -48,16 +48,20 @@ def test_a_glitch_cut_lifts_when_the_schedule_falls_and_comes_back_if_it_climbs_
 
 
 def test_a_cut_in_a_smooth_decay_or_a_late_drop_stays():
-    """A cosine never falls 3.3x within the window (except in its last steps, far below the failed
-    LR), and a drop more than ``glitch_window`` steps after the schedule left the failed LR is the
-    run's own course: the cut stays in both. A schedule held at the failed LR that then drops 10x
-    (a step schedule) runs below the cut's own level: it lifts."""
+    """A cosine or a fast linear decay never falls 3.3x in one step (but at its very end, far below
+    the failed LR), and a drop more than ``glitch_window`` steps after the schedule left the failed
+    LR is the run's own course: the cut stays. A schedule held at the failed LR that then drops
+    10x in one step (a step schedule) runs below the cut's own level: it lifts."""
     m = _multiplier()
     cosine = [0.5 * (1 + math.cos(math.pi * t / 300)) for t in range(300)]
     _feed(m, cosine[:100])
     m.lower()
     assert _feed(m, cosine[100:]) == [None] * 200
     assert m.global_mult == pytest.approx(0.3) and m.liftable is None
+    fast = _multiplier()  # a linear decay to zero over 14 steps, cut half-way: it falls 7x in 7 steps
+    _feed(fast, [1 - t / 14 for t in range(8)])
+    fast.lower()
+    assert _feed(fast, [1 - t / 14 for t in range(8, 15)]) == [None] * 7
     late = _multiplier(glitch_window=8)
     _feed(late, [1.0] * 5)
     late.lower()
