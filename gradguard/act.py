@@ -499,6 +499,15 @@ class LRMultiplier:
                     for v in rec.values())):
                 raise StateError(f"gradguard state lr.{key}={rec!r}: must be None or a dict of finite, positive "
                                  f"{sorted(keys)}. Fix: load a state saved by gradguard's state_dict()")
+        for key in ("global_mult", "global_ceiling", "batch_scale"):
+            if not (math.isfinite(state[key]) and state[key] > 0):
+                raise StateError(f"gradguard state lr.{key}={state[key]!r}: must be finite and > 0. "
+                                 "Fix: load a state saved by gradguard's state_dict()")
+        for key in ("layer_mult", "layer_ceiling"):
+            for name, v in state[key].items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                    raise StateError(f"gradguard state lr.{key}[{name!r}]={v!r}: must be finite and > 0. "
+                                     "Fix: load a state saved by gradguard's state_dict()")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)

@@ -417,7 +417,7 @@ class GuardCore(EngineAPI):
         the nominal LR ended at 2.564-2.683)."""
         g = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
         base, now = g.get("initial_lr"), (self.lr.scheduled_lrs() or [None])[0]
-        self.lr.observe_schedule(now)  # what a cut that the schedule passes reads (LRMultiplier.lift_passed_cut)
+        self.lr.observe_schedule(now)  # what a cut that the schedule passes reads (LRMultiplier.follow_schedule)
         if not isinstance(base, (int, float)) or not isinstance(now, (int, float)) or base <= 0:
             return 1.0
         pos, prev = float(now) / float(base), self._sched_pos

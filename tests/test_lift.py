@@ -104,6 +104,11 @@ def test_the_lift_state_round_trips_and_bad_states_are_named():
         fresh.load_state_dict({**m.state_dict(), "liftable": {"failed_lr": float("nan"), "mult": 1.0}})
     with pytest.raises(StateError, match=r"lr\.recent_lrs"):
         fresh.load_state_dict({**m.state_dict(), "recent_lrs": [1.0, -2.0]})
+    with pytest.raises(StateError, match=r"lr\.global_mult"):  # the older fields are still checked
+        fresh.load_state_dict({**m.state_dict(), "global_mult": float("inf")})
+    with pytest.raises(StateError, match=r"lr\.layer_mult\['lm_head'\]"):
+        fresh.load_state_dict({**m.state_dict(), "layer_mult": {"lm_head": 0.0}})
+    assert fresh.state_dict() == {**older, "recent_lrs": [], "liftable": None, "lifted": None}  # nothing applied
 
 
 def test_a_glitch_in_a_real_run_is_cut_then_lifted_and_the_advice_keeps_the_lr():
