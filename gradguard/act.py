@@ -24,6 +24,11 @@ __all__ = ["AttachError", "unwrap_optimizer", "early_step_gain", "drop_grads", "
 #: :meth:`LRMultiplier.follow_schedule`).
 NEAR_FAILED = 0.5
 
+def _finite_positive(v: Any) -> bool:
+    """A real number (not a bool), finite and > 0."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
 #: Attribute set on an optimizer while a guard's LR hooks are attached to it.
 _OWNER_ATTR = "_gradguard_lr_owner"
 
@@ -381,7 +386,7 @@ class LRMultiplier:
     def observe_schedule(self, lr: Any) -> None:
         """The scheduled LR (first group, multipliers excluded) this step runs at, as the core already
         read it (anything but a finite positive number is ignored)."""
-        if isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0:
+        if _finite_positive(lr):
             self.recent_lrs.append(float(lr))
 
     def follow_schedule(self) -> tuple[str, dict[str, float]] | None:
@@ -489,14 +494,13 @@ class LRMultiplier:
 
         check_fields("lr", state, cls._STATE, optional={"recent_lrs": list})  # absent in states before 0.2
         for lr in state.get("recent_lrs", []):
-            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+            if not _finite_positive(lr):
                 raise StateError(f"gradguard state lr.recent_lrs holds {lr!r}: each must be finite and > 0. "
                                  "Fix: load a state saved by gradguard's state_dict()")
         for key, keys in (("liftable", {"failed_lr", "mult"}), ("lifted", {"failed_lr", "cut", "ceiling"})):
             rec = state.get(key)
-            if rec is not None and (not isinstance(rec, dict) or set(rec) != keys or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-                    for v in rec.values())):
+            if rec is not None and (not isinstance(rec, dict) or set(rec) != keys
+                                    or not all(map(_finite_positive, rec.values()))):
                 raise StateError(f"gradguard state lr.{key}={rec!r}: must be None or a dict of finite, positive "
                                  f"{sorted(keys)}. Fix: load a state saved by gradguard's state_dict()")
         for key in ("global_mult", "global_ceiling", "batch_scale"):
@@ -505,7 +509,7 @@ class LRMultiplier:
                                  "Fix: load a state saved by gradguard's state_dict()")
         for key in ("layer_mult", "layer_ceiling"):
             for name, v in state[key].items():
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                if not _finite_positive(v):
                     raise StateError(f"gradguard state lr.{key}[{name!r}]={v!r}: must be finite and > 0. "
                                      "Fix: load a state saved by gradguard's state_dict()")
 
